@@ -1,0 +1,38 @@
+"""Configuration: the ``rechunk-p2p`` namespace of ``dask.config``.
+
+Where it runs: pure (read anywhere). Defaults live in ``rechunk-p2p.yaml`` beside this
+module and are merged into ``dask.config`` on import, without overriding user settings.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import dask.config
+import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+_FN = os.path.join(os.path.dirname(__file__), "rechunk-p2p.yaml")
+
+with open(_FN) as f:
+    _DEFAULTS: dict[str, Any] = yaml.safe_load(f)
+
+dask.config.update_defaults(_DEFAULTS)
+
+STORAGE_CHOICES = ("disk", "memory", "auto")
+
+
+def get(key: str) -> Any:
+    """Return the setting ``rechunk-p2p.<key>``."""
+    return dask.config.get(f"rechunk-p2p.{key}")
+
+
+def get_bytes(key: str) -> int:
+    """Return the setting ``rechunk-p2p.<key>`` as a number of bytes."""
+    return int(parse_bytes(get(key)))
+
+
+def get_seconds(key: str) -> float:
+    """Return the setting ``rechunk-p2p.<key>`` as a number of seconds."""
+    return float(parse_timedelta(get(key)))

@@ -1,0 +1,36 @@
+"""The exception hierarchy of rechunk_p2p.
+
+Where it runs: pure. Every error raised by the library derives from
+:class:`RechunkP2PError`; those a user would catch as a builtin also derive from it
+(``ValueError`` for bad input, ``TypeError`` for a wrong type, ``OSError`` for storage).
+"""
+
+from __future__ import annotations
+
+
+class RechunkP2PError(Exception):
+    """Root of every error raised by rechunk_p2p."""
+
+
+class RechunkInputError(RechunkP2PError, ValueError):
+    """The input array or the requested chunks cannot be rechunked as asked."""
+
+
+class RechunkTypeError(RechunkP2PError, TypeError):
+    """An argument has the wrong type (for example, not a dask array)."""
+
+
+class RechunkStorageError(RechunkP2PError, OSError):
+    """Buffering shards on a worker failed (for example, the local disk is full)."""
+
+
+class RechunkRunError(RechunkP2PError, RuntimeError):
+    """A rechunk run failed on the cluster (a worker left, a comm failed, it was cancelled)."""
+
+
+class StaleRunError(RechunkRunError):
+    """A message or task belongs to a run that has since been restarted or closed."""
+
+
+class ClusterError(RechunkP2PError, RuntimeError):
+    """The cluster cannot run a P2P rechunk (no client, unreachable scheduler, no workers)."""
