@@ -1,0 +1,219 @@
+"""The shard-store interface: where received shards wait until their output chunk is built.
+
+Where it runs: offload pool and task threads (blocking; never on the event loop).
+
+In a P2P rechunk every input chunk is cut into shards, each belonging to one output chunk.
+The receiving worker writes shards into a :class:`ShardStore` from several threads at once
+(the offload pool for shards that arrived over the network, task threads for shards that
+stay on the local worker) and later reads each output chunk's shards back to assemble it.
+Two implementations exist: :class:`~rechunk_p2p.buffers.memory.MemoryShardStore` keeps the
+arrays, :class:`~rechunk_p2p.buffers.disk.DiskShardStore` spills them to local disk. Both
+are thread-safe; every method is blocking.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from rechunk_p2p.errors import RechunkInputError, RechunkRunError, RechunkTypeError
+
+Shard = tuple[int, int, np.ndarray]
+"""``(output index, input index, array)``; flat indices within one sub-shuffle."""
+
+StoreKind = Literal["disk", "memory"]
+STORE_KINDS: tuple[StoreKind, ...] = ("disk", "memory")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatistics:
+    """**Immutable.** A snapshot of a shard store's counters.
+
+    Attributes
+    ----------
+    kind
+        ``"disk"`` or ``"memory"``.
+    shards
+        Distinct shards accepted since the store was created.
+    duplicates
+        Shards dropped because their ``(output, input)`` pair was already stored.
+    bytes_written
+        Payload bytes accepted (for disk: bytes spilled to the data file, which for object
+        dtype is the pickled size).
+    bytes_read
+        Payload bytes returned by reads (same unit as ``bytes_written``).
+    bytes_buffered
+        Bytes currently held (memory) or on disk (disk) that have not been read and
+        discarded yet. Zero after close.
+    outputs
+        Output indices that currently have data.
+    """
+
+    kind: str
+    shards: int
+    duplicates: int
+    bytes_written: int
+    bytes_read: int
+    bytes_buffered: int
+    outputs: int
+
+
+@runtime_checkable
+class ShardStore(Protocol):
+    """The interface shared by :class:`MemoryShardStore` and :class:`DiskShardStore`.
+
+    Every method is blocking and safe to call from several threads at once.
+    """
+
+    def write_blocking(self, shards: Iterable[Shard]) -> int:
+        """Store shards; return the payload bytes accepted.
+
+        A shard whose ``(output, input)`` pair is already stored (or was stored and then
+        read with ``discard=True``) is dropped and counted as a duplicate, so retried
+        deliveries never duplicate data. The batch is validated before anything is stored.
+
+        Raises
+        ------
+        RechunkRunError
+            The store is closed.
+        RechunkTypeError
+            An array is not a numpy array or has a dtype other than the store's.
+        RechunkStorageError
+            Spilling to disk failed (disk store only).
+        """
+        ...
+
+    def read_blocking(self, output: int, *, discard: bool = True) -> list[tuple[int, np.ndarray]]:
+        """Return the ``(input index, array)`` pairs of one output, sorted by input index.
+
+        Arrays have the dtype and shape they were written with and are C-contiguous and
+        writeable; ``[]`` if the output has no data. With ``discard=True`` the output's data
+        is freed after reading.
+
+        Raises
+        ------
+        RechunkRunError
+            The store is closed.
+        RechunkStorageError
+            Reading the spilled data failed (disk store only).
+        """
+        ...
+
+    def close_blocking(self) -> None:
+        """Free everything and remove every file and directory the store created.
+
+        Idempotent. Waits for writes and reads in flight in other threads to finish.
+        """
+        ...
+
+    def statistics(self) -> StoreStatistics:
+        """Return a snapshot of the store's counters."""
+        ...
+
+
+def make_store(
+    kind: StoreKind,
+    *,
+    dtype: np.dtype,
+    directory: str | os.PathLike[str] | None,
+    name: str,
+) -> ShardStore:
+    """Create an empty shard store.
+
+    Parameters
+    ----------
+    kind
+        ``"disk"`` to spill shards to local disk or ``"memory"`` to keep them in memory.
+        ``"auto"`` must be resolved by the caller before this point.
+    dtype
+        The dtype of every shard written to the store.
+    directory
+        For ``"disk"``: the parent directory under which a sub-directory named after
+        ``name`` is created on the first write (``None``: the system temporary directory).
+        Ignored for ``"memory"``.
+    name
+        Names the store in error messages (and its directory); for example the rechunk's
+        id, run id and sub-shuffle.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> store = make_store("memory", dtype=np.dtype("f8"), directory=None, name="doc")
+    >>> store.write_blocking([(0, 1, np.ones(3))])
+    24
+    >>> [(i, a.tolist()) for i, a in store.read_blocking(0)]
+    [(1, [1.0, 1.0, 1.0])]
+    >>> store.close_blocking()
+    """
+    if kind == "memory":
+        from rechunk_p2p.buffers.memory import MemoryShardStore
+
+        return MemoryShardStore(dtype, name)
+    if kind == "disk":
+        from rechunk_p2p.buffers.disk import DiskShardStore
+
+        return DiskShardStore(dtype, directory, name)
+    raise RechunkInputError(
+        f"Unknown shard store kind {kind!r} for store {name!r}; expected one of "
+        f"{STORE_KINDS} (resolve 'auto' before creating the store)."
+    )
+
+
+def closed_error(kind: str, name: str, action: str) -> RechunkRunError:
+    """Return the error raised when a closed store is used.
+
+    Where it runs: pure.
+    """
+    return RechunkRunError(
+        f"Cannot {action}: the {kind} shard store {name!r} is closed (its rechunk run has "
+        "ended, failed or was restarted)."
+    )
+
+
+def check_shard(shard: Shard, dtype: np.dtype, kind: str, name: str) -> Shard:
+    """Validate one shard and return it with plain-int indices and the store's dtype.
+
+    Where it runs: pure. An array whose dtype differs only in byte order notation is
+    converted (``casting="equiv"``); any other dtype mismatch raises.
+
+    Raises
+    ------
+    RechunkTypeError
+        The array is not a numpy array, the indices are not integers, or the dtype differs.
+    """
+    try:
+        output, input_, array = shard
+        output, input_ = operator.index(output), operator.index(input_)
+    except (TypeError, ValueError) as exc:
+        raise RechunkTypeError(
+            f"The {kind} shard store {name!r} expects (output index, input index, array) "
+            f"tuples with integer indices; got {type(shard).__name__}: {exc}"
+        ) from exc
+    if not isinstance(array, np.ndarray):
+        raise RechunkTypeError(
+            f"The {kind} shard store {name!r} expects numpy arrays; got "
+            f"{type(array).__name__} for output {output}, input {input_}."
+        )
+    if array.dtype != dtype:
+        if not np.can_cast(array.dtype, dtype, casting="equiv"):
+            raise RechunkTypeError(
+                f"The {kind} shard store {name!r} holds dtype {dtype}; got a shard of dtype "
+                f"{array.dtype} for output {output}, input {input_}."
+            )
+        array = array.astype(dtype, casting="equiv")
+    return output, input_, array
+
+
+def owned_array(array: np.ndarray) -> np.ndarray:
+    """Return ``array`` if it is C-contiguous and writeable, else a C-ordered copy.
+
+    Where it runs: pure. Keeps 0-d arrays 0-d (unlike ``np.ascontiguousarray``).
+    """
+    if array.flags.c_contiguous and array.flags.writeable:
+        return array
+    return np.array(array, order="C", copy=True)

@@ -1,0 +1,422 @@
+"""A shard store that spills shards to one append-only file on local disk.
+
+Where it runs: offload pool and task threads (blocking; never on the event loop).
+
+Layout: a sub-directory of the worker's local directory, named after the store, holding one
+data file. A write call reserves a contiguous byte range of the file under the lock, then
+writes all of its shards with one ``os.pwritev`` (per ``IOV_MAX`` buffers) *outside* the
+lock, so concurrent writers never serialise on I/O; only then are the shards published in an
+in-memory index ``output -> [(offset, nbytes, input, shape)]``. A read takes an output's
+index entries under the lock and ``os.preadv``-s straight into fresh arrays (adjacent
+entries in one call). Fixed-width dtypes are stored as raw bytes; dtypes holding Python
+objects are pickled (protocol 5). Disk space of discarded outputs is reclaimed only when the
+store is closed, which removes the file and the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pickle
+import re
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from rechunk_p2p.buffers.base import (
+    Shard,
+    StoreStatistics,
+    check_shard,
+    closed_error,
+    owned_array,
+)
+from rechunk_p2p.errors import RechunkStorageError
+
+DATA_FILE = "shards.bin"
+
+try:
+    _IOV_MAX = max(1, min(int(os.sysconf("SC_IOV_MAX")), 1024))
+except (AttributeError, ValueError, OSError):  # pragma: no cover - platform dependent
+    _IOV_MAX = 16
+
+# (offset, nbytes, input index, shape)
+_Entry = tuple[int, int, int, tuple[int, ...]]
+
+
+class DiskShardStore:
+    """**Thread-safe (guarded by `_lock`).** Spills shards to one file under ``directory``.
+
+    ``_lock`` guards the index, the reserved end of the file, the counters, the set of
+    stored ``(output, input)`` pairs and the number of I/O operations in flight; it is never
+    held during I/O. ``_create_lock`` only serialises the one-time creation of the directory
+    and the data file on the first write. :meth:`close_blocking` waits (on ``_idle``, a
+    condition of ``_lock``) until no I/O is in flight before closing the file, so a file
+    descriptor is never closed under a reader or writer.
+
+    Parameters
+    ----------
+    dtype
+        The dtype of every shard.
+    directory
+        Parent directory of the store's own sub-directory, which is named after ``name`` and
+        created on the first write (``None``: the system temporary directory). Missing
+        parents are created too and removed again at close if still empty.
+    name
+        Names the store in error messages and on disk.
+    """
+
+    kind = "disk"
+
+    def __init__(
+        self, dtype: np.dtype, directory: str | os.PathLike[str] | None, name: str
+    ) -> None:
+        self.dtype = np.dtype(dtype)
+        self.name = name
+        parent = tempfile.gettempdir() if directory is None else os.fspath(directory)
+        self.directory = os.path.abspath(parent)
+        self._pickled = self.dtype.hasobject
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._create_lock = threading.Lock()
+        self._closed = False
+        self._close_done = threading.Event()
+        self._inflight = 0
+        self._end = 0
+        self._index: dict[int, list[_Entry]] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self._shards = 0
+        self._duplicates = 0
+        self._bytes_written = 0
+        self._bytes_read = 0
+        self._bytes_buffered = 0
+        self._fd: int | None = None
+        self._path: str | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def __repr__(self) -> str:
+        return f"<DiskShardStore {self.name!r} dtype={self.dtype} path={self.path!r}>"
+
+    @property
+    def path(self) -> str | None:
+        """The store's own directory, or ``None`` before the first write."""
+        return self._path
+
+    # -- writing -----------------------------------------------------------------------
+
+    def write_blocking(self, shards: Iterable[Shard]) -> int:
+        """Spill shards to disk, dropping ``(output, input)`` pairs already stored.
+
+        See :meth:`rechunk_p2p.buffers.base.ShardStore.write_blocking`. Returns the bytes
+        spilled (the pickled size for object dtypes).
+        """
+        checked = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        checked.sort(key=lambda s: (s[0], s[1]))  # one output's shards end up adjacent
+        encoded = [(o, i, a.shape, self._encode(a)) for o, i, a in checked]
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, "write shards")
+            accepted = []
+            for item in encoded:
+                key = (item[0], item[1])
+                if key in self._seen:
+                    self._duplicates += 1
+                    continue
+                self._seen.add(key)
+                accepted.append(item)
+            total = sum(view.nbytes for *_, view in accepted)
+            if not accepted:
+                return 0
+            start = self._end
+            self._end += total
+            self._inflight += 1
+        entries: list[tuple[int, _Entry]] = []
+        offset = start
+        for output, input_, shape, view in accepted:
+            entries.append((output, (offset, view.nbytes, input_, shape)))
+            offset += view.nbytes
+        try:
+            fd = self._ensure_file_blocking()
+            pwritev_all(fd, [view for *_, view in accepted], start)
+        except OSError as exc:
+            with self._lock:
+                self._seen.difference_update((o, i) for o, i, *_ in accepted)
+                self._release_locked()
+            raise self._storage_error(exc, f"write {total} bytes of shards") from exc
+        with self._lock:
+            for output, entry in entries:
+                self._index.setdefault(output, []).append(entry)
+            self._shards += len(entries)
+            self._bytes_written += total
+            self._bytes_buffered += total
+            self._release_locked()
+        return total
+
+    def _encode(self, array: np.ndarray) -> memoryview:
+        """Return the bytes to spill for one array (no copy if it is C-contiguous)."""
+        if self._pickled:
+            return memoryview(pickle.dumps(np.asarray(array), protocol=5))
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)  # never 0-d here: 0-d is always contiguous
+        return memoryview(array.reshape(-1).view(np.uint8))
+
+    def _ensure_file_blocking(self) -> int:
+        """Create the directory and the data file on first use; return its descriptor."""
+        fd = self._fd
+        if fd is not None:
+            return fd
+        with self._create_lock:
+            if self._fd is None:
+                created = _makedirs_tracked(self.directory)
+                path = None
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                try:
+                    path = _make_store_directory(self.directory, _safe_name(self.name))
+                    fd = os.open(os.path.join(path, DATA_FILE), flags, 0o600)
+                except OSError:
+                    _remove_blocking(None, path, created)
+                    raise
+                self._path = path
+                self._finalizer = weakref.finalize(self, _remove_blocking, fd, path, created)
+                self._fd = fd
+            return self._fd
+
+    # -- reading -----------------------------------------------------------------------
+
+    def read_blocking(self, output: int, *, discard: bool = True) -> list[tuple[int, np.ndarray]]:
+        """Read one output's shards back from disk, sorted by input index.
+
+        See :meth:`rechunk_p2p.buffers.base.ShardStore.read_blocking`. Each array is read
+        straight into its own freshly allocated buffer.
+        """
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            entries = self._index.pop(output, None) if discard else self._index.get(output)
+            if not entries:
+                return []
+            entries = list(entries)
+            nbytes = sum(e[1] for e in entries)
+            if discard:
+                self._bytes_buffered -= nbytes
+            self._inflight += 1
+            fd = self._fd
+        assert fd is not None  # entries exist only after the file was written
+        try:
+            result = self._read_entries_blocking(fd, entries)
+        except OSError as exc:
+            with self._lock:
+                self._release_locked()
+            raise self._storage_error(exc, f"read {nbytes} bytes of output {output}") from exc
+        with self._lock:
+            self._bytes_read += nbytes
+            self._release_locked()
+        result.sort(key=lambda pair: pair[0])
+        return result
+
+    def _read_entries_blocking(
+        self, fd: int, entries: list[_Entry]
+    ) -> list[tuple[int, np.ndarray]]:
+        """Allocate one buffer per entry and fill them, coalescing adjacent entries."""
+        result: list[tuple[int, np.ndarray]] = []
+        raw: list[tuple[int, int, np.ndarray]] = []  # (input, position in result, bytes)
+        targets: list[tuple[int, memoryview]] = []
+        for offset, nbytes, input_, shape in sorted(entries):
+            if self._pickled:
+                buffer = np.empty(nbytes, dtype=np.uint8)
+                raw.append((input_, len(result), buffer))
+                result.append((input_, buffer))
+            else:
+                array = np.empty(shape, dtype=self.dtype)
+                buffer = array.reshape(-1).view(np.uint8)
+                result.append((input_, array))
+            if nbytes:
+                targets.append((offset, memoryview(buffer)))
+        for start, views in _coalesce(targets):
+            preadv_all(fd, views, start)
+        for input_, position, buffer in raw:
+            result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer))))
+        return result
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _release_locked(self) -> None:
+        """End one I/O operation; wake :meth:`close_blocking` if none is left. Hold `_lock`."""
+        self._inflight -= 1
+        if not self._inflight:
+            self._idle.notify_all()
+
+    def close_blocking(self) -> None:
+        """Wait for I/O in flight, then close and remove the data file and directory.
+
+        Idempotent; a concurrent second call returns once the first has finished.
+
+        Raises
+        ------
+        RechunkStorageError
+            The directory could not be removed (it is left behind).
+        """
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            while self._inflight:
+                self._idle.wait()
+            self._index.clear()
+            self._seen.clear()
+            self._bytes_buffered = 0
+        if not first:
+            self._close_done.wait()
+            return
+        try:
+            if self._finalizer is not None:
+                self._finalizer()
+        except OSError as exc:
+            raise self._storage_error(exc, "remove the spilled shards") from exc
+        finally:
+            self._close_done.set()
+
+    def statistics(self) -> StoreStatistics:
+        """Return a snapshot of the store's counters."""
+        with self._lock:
+            return StoreStatistics(
+                kind=self.kind,
+                shards=self._shards,
+                duplicates=self._duplicates,
+                bytes_written=self._bytes_written,
+                bytes_read=self._bytes_read,
+                bytes_buffered=self._bytes_buffered,
+                outputs=len(self._index),
+            )
+
+    def _storage_error(self, exc: OSError, action: str) -> RechunkStorageError:
+        """Translate an ``OSError`` into an actionable :class:`RechunkStorageError`."""
+        where = self._path or os.path.join(self.directory, _safe_name(self.name))
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        message = (
+            f"The disk shard store {self.name!r} could not {action} in {where!r}: {reason}. "
+            "Free space on that disk, point the worker's local directory elsewhere "
+            "(`dask worker --local-directory ...` or the `temporary-directory` config), or "
+            'buffer shards in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
+        )
+        if exc.errno is not None:
+            return RechunkStorageError(exc.errno, message)
+        return RechunkStorageError(message)
+
+
+# -- plain helpers (blocking) ----------------------------------------------------------
+
+
+def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """Write every byte of ``views`` at ``offset``, retrying short writes.
+
+    Uses ``os.pwritev`` with up to ``IOV_MAX`` buffers per call where available, else one
+    ``os.pwrite`` per buffer.
+    """
+    pending = [v for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        if hasattr(os, "pwritev"):
+            written = os.pwritev(fd, pending[i : i + _IOV_MAX], offset)
+        else:  # pragma: no cover - platforms without pwritev
+            written = os.pwrite(fd, pending[i], offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "the disk accepted no bytes")
+        offset += written
+        i = _advance(pending, i, written)
+
+
+def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """Fill every byte of the writable ``views`` from ``offset``, retrying short reads."""
+    pending = [v for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        if hasattr(os, "preadv"):
+            read = os.preadv(fd, pending[i : i + _IOV_MAX], offset)
+        else:  # pragma: no cover - platforms without preadv
+            data = os.pread(fd, pending[i].nbytes, offset)
+            read = len(data)
+            pending[i][:read] = data
+        if read <= 0:
+            raise OSError(errno.EIO, "the data file ended early (was it truncated or removed?)")
+        offset += read
+        i = _advance(pending, i, read)
+
+
+def _advance(pending: list[memoryview], i: int, done: int) -> int:
+    """Skip ``done`` bytes of ``pending[i:]``; return the index of the first unfinished view."""
+    while done and i < len(pending):
+        size = pending[i].nbytes
+        if done >= size:
+            done -= size
+            i += 1
+        else:
+            pending[i] = pending[i][done:]
+            done = 0
+    return i
+
+
+def _coalesce(targets: list[tuple[int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
+    """Group ``(offset, view)`` pairs sorted by offset into runs of adjacent byte ranges."""
+    runs: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for offset, view in targets:
+        if runs and offset == end and len(runs[-1][1]) < _IOV_MAX:
+            runs[-1][1].append(view)
+        else:
+            runs.append((offset, [view]))
+        end = offset + view.nbytes
+    return runs
+
+
+def _safe_name(name: str) -> str:
+    """Return ``name`` reduced to a safe single path component."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:100] or "shard-store"
+
+
+def _makedirs_tracked(path: str) -> list[str]:
+    """Create ``path`` and its missing parents; return those this call created, top first."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    created = []
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            continue
+        created.append(directory)
+    return created
+
+
+def _make_store_directory(parent: str, name: str) -> str:
+    """Create the store's directory ``parent/name`` (``parent/name-XXXX`` if taken)."""
+    path = os.path.join(parent, name)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        path = tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
+    return path
+
+
+def _remove_blocking(fd: int | None, path: str | None, created_parents: list[str]) -> None:
+    """Close ``fd``, remove ``path`` recursively and the now-empty parents we created."""
+    try:
+        if fd is not None:
+            os.close(fd)
+    finally:
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(path)
+    for directory in reversed(created_parents):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            break
