@@ -1,0 +1,254 @@
+"""Partials and worker assignment against a brute-force, element-by-element oracle.
+
+Every element of the array is labelled with its global position (``np.arange``); input chunks
+are cut into shards exactly as transfer tasks will cut them, and output chunks are assembled
+from those shards exactly as unpack tasks will assemble them.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import pickle
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rechunk_p2p.planning import Partial, assign_worker, make_partials
+
+from .strategies import brute_shard_pairs, chunk_slices, rechunks
+
+SETTINGS = settings(max_examples=200, deadline=None)
+
+
+def run_partial(partial: Partial, inputs: dict, expected: dict) -> set:
+    """Push one partial's input chunks through its shards; check its outputs element-wise.
+
+    Returns the global (input index, output index) pair of every shard.
+    """
+    in_keys = list(partial.input_keys())
+    out_keys = list(partial.output_keys())
+    assert len(in_keys) == partial.n_inputs and len(out_keys) == partial.n_outputs
+
+    # Transfer side: cut every input chunk; every element goes into exactly one shard.
+    shards = {}
+    for flat, key in enumerate(in_keys):
+        assert partial.flat_input(key) == flat
+        assert partial.input_index(flat) == key
+        chunk = inputs[key]
+        assert partial.input_shape(flat) == chunk.shape
+        seen = np.zeros(chunk.shape, dtype=np.int64)
+        for out_flat, slices in partial.shards_of_input(flat):
+            assert 0 <= out_flat < partial.n_outputs
+            assert (flat, out_flat) not in shards
+            shard = chunk[slices]
+            assert shard.size > 0
+            seen[slices] += 1
+            shards[flat, out_flat] = shard
+        assert (seen == 1).all()
+
+    # Unpack side: assemble every output chunk; every element is written exactly once.
+    used = set()
+    for flat, key in enumerate(out_keys):
+        assert partial.flat_output(key) == flat
+        assert partial.output_index(flat) == key
+        want = expected[key]
+        assert partial.output_shape(flat) == want.shape
+        out = np.full(want.shape, -1, dtype=np.int64)
+        count = np.zeros(want.shape, dtype=np.int64)
+        pieces = list(partial.shards_of_output(flat))
+        for in_flat, slices in pieces:
+            shard = shards[in_flat, flat]  # KeyError: a shard nobody sent
+            assert out[slices].shape == shard.shape  # no silent broadcasting
+            out[slices] = shard
+            count[slices] += 1
+            used.add((in_flat, flat))
+        assert (count == 1).all()
+        np.testing.assert_array_equal(out, want)
+        # inputs_of_output: the same pieces, with global input keys and input slices too.
+        detailed = list(partial.inputs_of_output(flat))
+        assert [(g, o) for g, _, o in detailed] == [(in_keys[i], s) for i, s in pieces]
+        for glob, in_slices, out_slices in detailed:
+            np.testing.assert_array_equal(inputs[glob][in_slices], want[out_slices])
+
+    # The two sides name the same shards.
+    assert used == set(shards)
+    assert partial.n_shards == len(shards)
+    return {(in_keys[i], out_keys[o]) for i, o in shards}
+
+
+def expected_needs_shuffle(partial: Partial, inputs: dict) -> bool:
+    nonempty_inputs = sum(inputs[k].size > 0 for k in partial.input_keys())
+    return not (partial.size == 0 or nonempty_inputs == 1 or partial.n_outputs == 1)
+
+
+@SETTINGS
+@given(rechunks())
+def test_every_element_lands_once_in_the_right_place(case):
+    shape, old, new = case
+    array = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+    inputs = {k: array[s] for k, s in chunk_slices(old).items()}
+    expected = {k: array[s] for k, s in chunk_slices(new).items()}
+
+    partials = make_partials(old, new)
+    assert [p.index for p in partials] == sorted(p.index for p in partials)
+    assert len({p.index for p in partials}) == len(partials)
+
+    # Partials are disjoint and cover every input and every output chunk exactly once.
+    in_owner = collections.Counter(k for p in partials for k in p.input_keys())
+    out_owner = collections.Counter(k for p in partials for k in p.output_keys())
+    assert set(in_owner) == set(inputs) and set(in_owner.values()) <= {1}
+    assert set(out_owner) == set(expected) and set(out_owner.values()) <= {1}
+
+    pairs = set()
+    for p in partials:
+        assert p.ndim == len(shape)
+        assert p.size == sum(inputs[k].size for k in p.input_keys())
+        assert p.size == sum(expected[k].size for k in p.output_keys())
+        assert p.needs_shuffle == expected_needs_shuffle(p, inputs)
+        pairs |= run_partial(p, inputs, expected)
+
+    # No shard crosses partials: the pairs the partials produce, all within a partial, are
+    # every pair of chunks that share an element.
+    assert pairs == brute_shard_pairs(shape, old, new)
+    assert sum(p.n_shards for p in partials) == len(pairs)
+    assert sum(p.size for p in partials) == array.size
+
+
+@SETTINGS
+@given(rechunks())
+def test_flat_indices_reject_chunks_of_other_partials(case):
+    _, old, new = case
+    partials = make_partials(old, new)
+    for p, q in itertools.permutations(partials, 2):
+        for key in itertools.islice(q.input_keys(), 3):
+            with pytest.raises(IndexError):
+                p.flat_input(key)
+        for key in itertools.islice(q.output_keys(), 3):
+            with pytest.raises(IndexError):
+                p.flat_output(key)
+
+
+@SETTINGS
+@given(rechunks(max_ndim=3))
+def test_out_of_range_flat_indices_raise(case):
+    _, old, new = case
+    for p in make_partials(old, new):
+        calls = [(m, p.n_inputs) for m in (p.shards_of_input, p.input_shape, p.input_index)]
+        calls += [
+            (m, p.n_outputs)
+            for m in (p.shards_of_output, p.inputs_of_output, p.output_shape, p.output_index)
+        ]
+        for method, n in calls:
+            for flat in (-1, n):
+                with pytest.raises(IndexError):
+                    result = method(flat)
+                    if isinstance(result, Iterator):
+                        list(result)
+
+
+def test_flat_index_into_a_grid_without_chunks_raises_index_error():
+    # An axis of length 0 with no chunks at all: the partial has no inputs, so input 0 does
+    # not exist (this used to divide by zero instead).
+    (p,) = make_partials(((), (3,)), ((0,), (1, 2)))
+    assert p.n_inputs == 0 and p.n_outputs == 2
+    with pytest.raises(IndexError):
+        list(p.shards_of_input(0))
+    with pytest.raises(IndexError):
+        p.input_shape(0)
+    assert [list(p.shards_of_output(i)) for i in range(2)] == [[], []]
+
+
+@SETTINGS
+@given(rechunks(max_ndim=3))
+def test_partials_are_immutable_hashable_and_picklable(case):
+    _, old, new = case
+    partials = make_partials(old, new)
+    again = make_partials(tuple(map(tuple, old)), tuple(map(tuple, new)))
+    assert partials == again
+    for p, q in zip(partials, again, strict=True):
+        assert hash(p) == hash(q)
+        for flat in range(min(p.n_outputs, 1)):
+            list(p.shards_of_output(flat))  # fill the cached lookups before pickling
+        clone = pickle.loads(pickle.dumps(p))
+        assert clone == p and hash(clone) == hash(p)
+        for flat in range(p.n_inputs):
+            assert list(clone.shards_of_input(flat)) == list(p.shards_of_input(flat))
+        with pytest.raises(AttributeError):
+            p.old_chunks = ()
+
+
+def test_partial_example():
+    # old (4, 2) x (3,), new (3, 3) x (1, 2): one partial, 2 inputs, 4 outputs.
+    (p,) = make_partials(((4, 2), (3,)), ((3, 3), (1, 2)))
+    assert (p.n_inputs, p.n_outputs, p.n_shards, p.size) == (2, 4, 6, 18)
+    assert list(p.shards_of_input(0)) == [
+        (0, (slice(0, 3), slice(0, 1))),
+        (1, (slice(0, 3), slice(1, 3))),
+        (2, (slice(3, 4), slice(0, 1))),
+        (3, (slice(3, 4), slice(1, 3))),
+    ]
+    assert list(p.shards_of_output(3)) == [
+        (0, (slice(0, 1), slice(0, 2))),
+        (1, (slice(1, 3), slice(0, 2))),
+    ]
+    assert p.needs_shuffle
+
+
+@pytest.mark.parametrize(
+    "old, new, needs_shuffle",
+    [
+        (((4,), (3,)), ((2, 2), (1, 2)), False),  # one input: outputs are slices of it
+        (((2, 2), (1, 2)), ((4,), (3,)), False),  # one output: a concatenation
+        (((0, 4, 0),), ((1, 3),), False),  # one non-empty input among empty ones
+        (((0, 0),), ((0, 0, 0),), False),  # no elements
+        ((), (), False),  # zero-dimensional: one element, one chunk
+        (((2, 2),), ((1, 3),), True),
+    ],
+)
+def test_needs_shuffle_examples(old, new, needs_shuffle):
+    (p,) = make_partials(old, new)
+    assert p.needs_shuffle is needs_shuffle
+
+
+# --- worker assignment ----------------------------------------------------------------------
+
+workers_case = st.tuples(st.integers(1, 300), st.integers(1, 40), st.integers(0, 100))
+
+
+@SETTINGS
+@given(workers_case)
+def test_assign_worker_balanced_contiguous_blocks(case):
+    n_outputs, n_workers, shift = case
+    base = [assign_worker(i, n_outputs, n_workers) for i in range(n_outputs)]
+    owners = [assign_worker(i, n_outputs, n_workers, shift) for i in range(n_outputs)]
+    assert owners == [assign_worker(i, n_outputs, n_workers, shift) for i in range(n_outputs)]
+    assert all(0 <= w < n_workers for w in owners)
+    # Contiguous blocks in worker order, starting at worker 0, rotated by ``shift``.
+    assert base == sorted(base) and base[0] == 0
+    assert owners == [(w + shift) % n_workers for w in base]
+    assert [(w - shift) % n_workers for w in owners] == base
+    # Balanced: block sizes (counting workers with no output) differ by at most one.
+    sizes = collections.Counter(owners)
+    counts = [sizes.get(w, 0) for w in range(n_workers)]
+    assert max(counts) - min(counts) <= 1
+    assert sum(counts) == n_outputs
+
+
+@SETTINGS
+@given(workers_case)
+def test_assign_worker_rejects_outputs_out_of_range(case):
+    n_outputs, n_workers, shift = case
+    for flat in (-1, n_outputs):
+        with pytest.raises(IndexError):
+            assign_worker(flat, n_outputs, n_workers, shift)
+
+
+def test_assign_worker_examples():
+    assert [assign_worker(i, 5, 2) for i in range(5)] == [0, 0, 0, 1, 1]
+    assert [assign_worker(i, 3, 4, shift=3) for i in range(3)] == [3, 0, 1]
+    assert [assign_worker(i, 4, 4, shift=1) for i in range(4)] == [1, 2, 3, 0]
