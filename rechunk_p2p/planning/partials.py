@@ -1,0 +1,205 @@
+"""N-dimensional sub-shuffles (partials) and the shards that flow through them.
+
+Where it runs: pure (no asyncio, no distributed); used on the client to build the graph and in
+task threads to cut input chunks into shards and to assemble output chunks.
+
+A partial is the product of one :class:`~rechunk_p2p.planning.axes.AxisGroup` per axis: its
+input chunks send data only to its output chunks. Inside a partial, chunks are addressed by
+*flat* indices (C order over the partial's chunk grid); a shard is the intersection of one
+input chunk with one output chunk, named by the pair of flat indices.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from rechunk_p2p.planning.axes import AxisPiece, axis_pieces
+
+Chunks = tuple[tuple[int, ...], ...]
+NDIndex = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Partial:
+    """**Immutable.** One independent sub-shuffle of a rechunk.
+
+    Parameters
+    ----------
+    index
+        Position of the partial in the grid of partials.
+    old_offset, new_offset
+        Global chunk index of the partial's first input and output chunk, per axis.
+    old_chunks, new_chunks
+        The partial's own input and output chunk lengths, per axis.
+    """
+
+    index: NDIndex
+    old_offset: NDIndex
+    new_offset: NDIndex
+    old_chunks: Chunks
+    new_chunks: Chunks
+    _pieces: tuple[tuple[AxisPiece, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        pieces = tuple(axis_pieces(o, n) for o, n in zip(self.old_chunks, self.new_chunks))
+        object.__setattr__(self, "_pieces", pieces)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.old_chunks)
+
+    @property
+    def old_grid(self) -> NDIndex:
+        """Number of input chunks per axis."""
+        return tuple(len(c) for c in self.old_chunks)
+
+    @property
+    def new_grid(self) -> NDIndex:
+        """Number of output chunks per axis."""
+        return tuple(len(c) for c in self.new_chunks)
+
+    @property
+    def n_inputs(self) -> int:
+        return math.prod(self.old_grid)
+
+    @property
+    def n_outputs(self) -> int:
+        return math.prod(self.new_grid)
+
+    @property
+    def n_shards(self) -> int:
+        """Number of non-empty (input chunk, output chunk) intersections."""
+        return math.prod(len(p) for p in self._pieces)
+
+    @property
+    def size(self) -> int:
+        """Number of array elements in the partial."""
+        return math.prod(sum(c) for c in self.old_chunks)
+
+    @property
+    def needs_shuffle(self) -> bool:
+        """Whether data must move between chunks through a P2P shuffle.
+
+        A partial with one input chunk (outputs are slices of it) or one output chunk
+        (a concatenation of its inputs), or with no elements, is built by plain tasks.
+        """
+        n_nonempty_inputs = math.prod(sum(1 for c in axis if c) for axis in self.old_chunks)
+        return self.size > 0 and n_nonempty_inputs > 1 and self.n_outputs > 1
+
+    def input_keys(self) -> Iterator[NDIndex]:
+        """Global chunk indices of the partial's inputs, in flat order."""
+        ranges = (range(o, o + n) for o, n in zip(self.old_offset, self.old_grid))
+        return itertools.product(*ranges)
+
+    def output_keys(self) -> Iterator[NDIndex]:
+        """Global chunk indices of the partial's outputs, in flat order."""
+        ranges = (range(o, o + n) for o, n in zip(self.new_offset, self.new_grid))
+        return itertools.product(*ranges)
+
+    def flat_input(self, global_index: NDIndex) -> int:
+        """Flat index within the partial of the input chunk at ``global_index``."""
+        return _ravel(global_index, self.old_offset, self.old_grid)
+
+    def flat_output(self, global_index: NDIndex) -> int:
+        """Flat index within the partial of the output chunk at ``global_index``."""
+        return _ravel(global_index, self.new_offset, self.new_grid)
+
+    def output_index(self, flat: int) -> NDIndex:
+        """Global chunk index of the output chunk with flat index ``flat``."""
+        return tuple(o + i for o, i in zip(self.new_offset, _unravel(flat, self.new_grid)))
+
+    def input_index(self, flat: int) -> NDIndex:
+        """Global chunk index of the input chunk with flat index ``flat``."""
+        return tuple(o + i for o, i in zip(self.old_offset, _unravel(flat, self.old_grid)))
+
+    def output_shape(self, flat: int) -> tuple[int, ...]:
+        """Shape of the output chunk with flat index ``flat``."""
+        local = _unravel(flat, self.new_grid)
+        return tuple(c[i] for c, i in zip(self.new_chunks, local))
+
+    def input_shape(self, flat: int) -> tuple[int, ...]:
+        """Shape of the input chunk with flat index ``flat``."""
+        local = _unravel(flat, self.old_grid)
+        return tuple(c[i] for c, i in zip(self.old_chunks, local))
+
+    @cached_property
+    def _by_old(self) -> tuple[dict[int, tuple[AxisPiece, ...]], ...]:
+        return tuple(_index_by(pieces, "old") for pieces in self._pieces)
+
+    @cached_property
+    def _by_new(self) -> tuple[dict[int, tuple[AxisPiece, ...]], ...]:
+        return tuple(_index_by(pieces, "new") for pieces in self._pieces)
+
+    def shards_of_input(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
+        """Cut input chunk ``flat``: yield (flat output index, slices of the input chunk)."""
+        local = _unravel(flat, self.old_grid)
+        per_axis = [by_old.get(i, ()) for by_old, i in zip(self._by_old, local)]
+        for combo in itertools.product(*per_axis):
+            out = _ravel_local(tuple(p.new for p in combo), self.new_grid)
+            yield out, tuple(p.old_slice for p in combo)
+
+    def shards_of_output(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
+        """Pieces of output chunk ``flat``: yield (flat input index, slices of the output chunk)."""
+        local = _unravel(flat, self.new_grid)
+        per_axis = [by_new.get(i, ()) for by_new, i in zip(self._by_new, local)]
+        for combo in itertools.product(*per_axis):
+            inp = _ravel_local(tuple(p.old for p in combo), self.old_grid)
+            yield inp, tuple(p.new_slice for p in combo)
+
+    def inputs_of_output(self, flat: int) -> Iterator[tuple[NDIndex, tuple[slice, ...], tuple[slice, ...]]]:
+        """Global input index, input slices and output slices of every piece of output ``flat``."""
+        local = _unravel(flat, self.new_grid)
+        per_axis = [by_new.get(i, ()) for by_new, i in zip(self._by_new, local)]
+        for combo in itertools.product(*per_axis):
+            glob = tuple(o + p.old for o, p in zip(self.old_offset, combo))
+            yield glob, tuple(p.old_slice for p in combo), tuple(p.new_slice for p in combo)
+
+
+def _index_by(pieces: tuple[AxisPiece, ...], attr: str) -> dict[int, tuple[AxisPiece, ...]]:
+    out: dict[int, list[AxisPiece]] = {}
+    for p in pieces:
+        out.setdefault(getattr(p, attr), []).append(p)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _ravel(global_index: NDIndex, offset: NDIndex, grid: NDIndex) -> int:
+    return _ravel_local(tuple(g - o for g, o in zip(global_index, offset)), grid)
+
+
+def _ravel_local(local: NDIndex, grid: NDIndex) -> int:
+    flat = 0
+    for i, n in zip(local, grid):
+        if not 0 <= i < n:
+            raise IndexError(f"Chunk index {local} outside grid {grid}")
+        flat = flat * n + i
+    return flat
+
+
+def _unravel(flat: int, grid: NDIndex) -> NDIndex:
+    if not 0 <= flat < max(math.prod(grid), 1):
+        raise IndexError(f"Flat index {flat} outside grid {grid}")
+    out = []
+    for n in reversed(grid):
+        flat, i = divmod(flat, n)
+        out.append(i)
+    return tuple(reversed(out))
+
+
+def assign_worker(flat: int, n_outputs: int, n_workers: int, shift: int = 0) -> int:
+    """Position of the worker that owns output ``flat``: contiguous, balanced blocks.
+
+    Output ``i`` of ``n`` goes to block ``i * w // n``; blocks differ in size by at most one.
+    ``shift`` rotates the blocks so that many small partials spread over all workers.
+
+    >>> [assign_worker(i, 5, 2) for i in range(5)]
+    [0, 0, 0, 1, 1]
+    >>> [assign_worker(i, 3, 4, shift=3) for i in range(3)]
+    [3, 0, 1]
+    """
+    if not 0 <= flat < n_outputs:
+        raise IndexError(f"Output {flat} outside 0..{n_outputs - 1}")
+    return (flat * n_workers // n_outputs + shift) % n_workers
