@@ -180,7 +180,7 @@ def _ravel_local(local: NDIndex, grid: NDIndex) -> int:
 
 
 def _unravel(flat: int, grid: NDIndex) -> NDIndex:
-    if not 0 <= flat < max(math.prod(grid), 1):
+    if not 0 <= flat < math.prod(grid):
         raise IndexError(f"Flat index {flat} outside grid {grid}")
     out = []
     for n in reversed(grid):
