@@ -1,0 +1,57 @@
+"""Fixtures for the shard-store tests: stores of both kinds, closed and checked at the end."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rechunk_p2p.buffers import ShardStore, make_store
+
+KINDS = ("memory", "disk")
+
+MakeStore = Callable[..., ShardStore]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def spill_dir(tmp_path: Path) -> Path:
+    """A not-yet-existing parent directory for disk stores (created on the first write)."""
+    return tmp_path / "local-dir" / "spill"
+
+
+@pytest.fixture
+def make(kind: str, spill_dir: Path) -> Iterator[MakeStore]:
+    """Factory of stores of the parametrised kind; closes them all and checks no files remain."""
+    stores: list[ShardStore] = []
+
+    def factory(dtype: object = "f8", name: str = "rechunk-abc-run-1-sub-0") -> ShardStore:
+        store = make_store(kind, dtype=np.dtype(dtype), directory=spill_dir, name=name)
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.close_blocking()
+    assert not spill_dir.exists(), os.listdir(spill_dir)
+    assert not spill_dir.parent.exists()
+
+
+def assert_same(expected: np.ndarray, actual: np.ndarray) -> None:
+    """Assert dtype, shape and content (byte-exact for fixed-width dtypes) are equal."""
+    assert isinstance(actual, np.ndarray)
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    assert actual.flags.c_contiguous
+    assert actual.flags.writeable
+    if expected.dtype.hasobject:
+        assert actual.tolist() == expected.tolist()
+    else:
+        assert actual.tobytes() == np.ascontiguousarray(expected).tobytes()
