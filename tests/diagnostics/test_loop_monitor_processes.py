@@ -1,0 +1,102 @@
+"""measure_event_loops on a multi-process LocalCluster (one worker stalls, the other does not)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+
+from rechunk_p2p.diagnostics import LoopLagReport, loop_probe, measure_event_loops
+
+
+def _stall(seconds: float) -> None:
+    # Sync functions given to Client.run execute on the worker's event loop.
+    time.sleep(seconds)
+
+
+def _clean(holdings: dict) -> bool:
+    return all(h == {"probes": [], "filter": False, "logger_filters": 0} for h in holdings.values())
+
+
+@pytest.fixture(scope="module")
+def process_client():
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+
+
+def test_stall_on_one_worker_shows_only_there(process_client: Client) -> None:
+    c = process_client
+    a, b = sorted(c.scheduler_info()["workers"])
+    t0 = time.monotonic()
+    with measure_event_loops(c, interval="5ms") as probe:
+        assert probe.report is None
+        time.sleep(0.3)
+        c.run(_stall, 0.3, workers=[a])
+        time.sleep(0.3)
+    elapsed = time.monotonic() - t0
+    report = probe.report
+    assert isinstance(report, LoopLagReport)
+    scheduler = c.scheduler.address
+    assert set(report.per_process) == {a, b, scheduler}
+    stalled, calm = report.per_process[a], report.per_process[b]
+    assert 290 <= stalled.max_ms <= 1500
+    assert stalled.stalls_over_200ms == 1
+    assert stalled.stalls_over_50ms >= 1
+    assert calm.stalls_over_200ms == 0
+    assert calm.max_ms < 200
+    assert report.per_process[scheduler].stalls_over_200ms == 0
+    assert report.overall.max_ms == stalled.max_ms
+    # The stall shows in the timeline, at roughly the right time.
+    worst_t, worst_lag = max(stalled.timeline, key=lambda p: p[1])
+    assert worst_lag == stalled.max_ms
+    assert 0.2 <= worst_t <= elapsed
+    # Plausible sample counts: at most one per interval, and most of them on a calm loop.
+    assert report.duration_s == pytest.approx(elapsed, abs=0.2)
+    for s in report.per_process.values():
+        assert s.samples <= report.duration_s / 0.005 + 5
+    assert calm.samples >= 0.4 * report.duration_s / 0.005
+    # distributed's tick metric saw the stall on the stalled worker only.
+    assert report.distributed[a].server_type == "Worker"
+    assert report.distributed[scheduler].server_type == "Scheduler"
+    assert report.distributed[a].tick_max_ms >= 290
+    assert report.distributed[b].tick_max_ms < 290
+    assert report.distributed[b].ticks >= 10
+    assert report.unresponsive_warnings == 0
+    # Nothing left behind on any process; the report is JSON-serialisable.
+    assert _clean(c.run(loop_probe.active_probes))
+    assert _clean({"s": c.run_on_scheduler(loop_probe.active_probes)})
+    assert LoopLagReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+def test_cleanup_when_the_block_raises(process_client: Client) -> None:
+    c = process_client
+    with pytest.raises(ZeroDivisionError), measure_event_loops(c) as probe:
+        time.sleep(0.05)
+        1 / 0  # noqa: B018
+    assert probe.report is not None
+    assert probe.report.overall.samples > 0
+    assert _clean(c.run(loop_probe.active_probes))
+    assert _clean({"s": c.run_on_scheduler(loop_probe.active_probes)})
+
+
+def test_tick_metric_restored_after_window(process_client: Client) -> None:
+    def set_max(value: float, dask_worker=None) -> None:
+        dask_worker.digests_max["tick-duration"] = value
+
+    def get_max(dask_worker=None) -> float:
+        return dask_worker.digests_max["tick-duration"]
+
+    c = process_client
+    c.run(set_max, 123.0)
+    with measure_event_loops(c) as probe:
+        time.sleep(0.1)
+    assert all(v == 123.0 for v in c.run(get_max).values())
+    # The window reports its own maximum, not the 123 s set before it.
+    assert all(s.tick_max_ms < 1000 for s in probe.report.distributed.values())
