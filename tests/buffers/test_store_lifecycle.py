@@ -17,7 +17,8 @@ from rechunk_p2p.errors import (
     RechunkStorageError,
     RechunkTypeError,
 )
-from tests.buffers.conftest import assert_same
+
+from .helpers import assert_same
 
 
 def shard(output: int, input_: int, n: int = 4) -> tuple[int, int, np.ndarray]:

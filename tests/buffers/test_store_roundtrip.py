@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from rechunk_p2p.buffers import DiskShardStore, MemoryShardStore, ShardStore, make_store
-from tests.buffers.conftest import assert_same
+
+from .helpers import assert_same
 
 FIXED_WIDTH = [
     "i1",
