@@ -1,0 +1,54 @@
+"""rechunk_p2p: peer-to-peer rechunking of Dask arrays on dask.distributed.
+
+Importing this package changes nothing in dask: :func:`install` is the opt-in that routes
+``x.rechunk(method="p2p")`` here. Started as a scheduler preload
+(``dask scheduler --preload rechunk_p2p``), it registers its plugins on that cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rechunk_p2p import config  # noqa: F401  (loads the configuration defaults)
+from rechunk_p2p.api import cluster_statistics, plan, rechunk, register
+from rechunk_p2p.errors import (
+    ClusterError,
+    RechunkInputError,
+    RechunkP2PError,
+    RechunkRunError,
+    RechunkStorageError,
+    RechunkTypeError,
+    StaleRunError,
+)
+from rechunk_p2p.planning import RechunkPlan
+from rechunk_p2p.routing import install, installed, uninstall
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterError",
+    "RechunkInputError",
+    "RechunkP2PError",
+    "RechunkPlan",
+    "RechunkRunError",
+    "RechunkStorageError",
+    "RechunkTypeError",
+    "StaleRunError",
+    "cluster_statistics",
+    "install",
+    "installed",
+    "plan",
+    "rechunk",
+    "register",
+    "uninstall",
+]
+
+
+async def dask_setup(server: Any) -> None:
+    """Preload hook: ``dask scheduler --preload rechunk_p2p`` registers the plugins there."""
+    from distributed import Scheduler
+
+    if isinstance(server, Scheduler):
+        from rechunk_p2p.scheduler import RechunkSchedulerPlugin
+
+        server.add_plugin(RechunkSchedulerPlugin(), name=RechunkSchedulerPlugin.name)

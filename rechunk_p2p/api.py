@@ -1,0 +1,271 @@
+"""The public entry points: ``rechunk``, ``plan`` and ``register``.
+
+Where it runs: the client (graph construction, plugin registration). Nothing here touches
+array data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import dask.array as da
+from dask.array.core import normalize_chunks
+from dask.array.utils import validate_axis
+from dask.base import tokenize
+
+from rechunk_p2p import config
+from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkTypeError
+from rechunk_p2p.graph import build_rechunk
+from rechunk_p2p.planning import RechunkPlan
+
+Chunks = tuple[tuple[int, ...], ...]
+
+
+def rechunk(
+    x: Any,
+    chunks: Any = "auto",
+    *,
+    threshold: int | None = None,
+    block_size_limit: int | None = None,
+    balance: bool = False,
+) -> Any:
+    """Rechunk a dask array through a peer-to-peer shuffle.
+
+    Accepts the same chunk specifications and returns the same result as dask's
+    ``x.rechunk(chunks, ...)``, but moves the data in one all-to-all exchange between
+    workers instead of a tree of intermediate tasks, and keeps every worker's event loop
+    free of bulk work.
+
+    Parameters
+    ----------
+    x
+        The dask array (or an xarray Dataset/DataArray, rechunked variable by variable with
+        ``chunks`` keyed by dimension name).
+    chunks
+        Target chunks: an int, a tuple (``-1`` for a whole axis, ``None`` to keep an axis,
+        ``"auto"``), a dict keyed by axis, explicit tuples of tuples, or ``"auto"``.
+    threshold
+        Accepted for compatibility with dask's ``rechunk``; the P2P engine needs no
+        intermediate steps, so it is not used.
+    block_size_limit
+        Largest chunk in bytes when ``"auto"`` chunk sizes are chosen
+        (default: ``array.chunk-size``).
+    balance
+        Make chunks along each axis as equal as possible.
+
+    Returns
+    -------
+    dask.array.Array
+        ``x`` itself when its chunks already match, else the rechunked array.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a dask array.
+    ValueError
+        The chunks do not fit the array, or ``x`` has unknown (NaN) chunk sizes.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> x = da.ones((1000, 1000), chunks=(1000, 10))
+    >>> rechunk(x, (10, 1000)).chunks[0][:3]
+    (10, 10, 10)
+    """
+    if _is_xarray(x):
+        from rechunk_p2p.integrations.xarray import rechunk_xarray
+
+        return rechunk_xarray(
+            x, chunks, threshold=threshold, block_size_limit=block_size_limit, balance=balance
+        )
+    new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
+    if new == x.chunks:
+        return x
+    storage = _storage_setting()
+    n_workers = _current_n_workers()
+    the_plan = RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=n_workers)
+    _ensure_registered()
+    token = tokenize(x, new, storage)
+    return build_rechunk(x, the_plan, token, storage)
+
+
+def plan(
+    x: da.Array,
+    chunks: Any = "auto",
+    *,
+    threshold: int | None = None,
+    block_size_limit: int | None = None,
+    balance: bool = False,
+    n_workers: int | None = None,
+) -> RechunkPlan:
+    """Describe what ``rechunk(x, chunks, ...)`` would do, without building or running it.
+
+    Parameters
+    ----------
+    x, chunks, threshold, block_size_limit, balance
+        As for :func:`rechunk`.
+    n_workers
+        Workers to estimate cross-worker traffic and buffers for (default: the workers of
+        the current client, else 1).
+
+    Returns
+    -------
+    RechunkPlan
+        Immutable; its repr is a readable summary.
+    """
+    new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
+    if n_workers is None:
+        n_workers = _current_n_workers()
+    return RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=max(int(n_workers), 1))
+
+
+def normalize(
+    x: da.Array, chunks: Any, *, block_size_limit: int | None = None, balance: bool = False
+) -> Chunks:
+    """Normalise ``chunks`` for ``x`` exactly as dask's ``rechunk`` does, checking the input.
+
+    Raises ``TypeError`` for a non-dask array and ``ValueError`` for chunks that do not fit
+    or for unknown (NaN) chunk sizes, before anything is built.
+    """
+    if not isinstance(x, da.Array):
+        raise RechunkTypeError(
+            f"rechunk_p2p.rechunk expects a dask array, got {type(x).__module__}."
+            f"{type(x).__qualname__}; wrap it with dask.array.from_array(...) first"
+        )
+    if any(math.isnan(s) for s in x.shape):
+        raise RechunkInputError(
+            f"Array {x.name} has unknown (NaN) chunk sizes {x.chunks}; the P2P rechunk needs "
+            "every chunk's size. Call x.compute_chunk_sizes() first."
+        )
+    if x.ndim > 0 and all(s == 0 for s in x.shape):
+        return x.chunks
+    chunks = _fill_unspecified(x, chunks)
+    try:
+        new = normalize_chunks(
+            chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks
+        )
+    except (ValueError, TypeError) as e:
+        raise RechunkInputError(f"Cannot rechunk array {x.name} of shape {x.shape} to "
+                                f"{chunks!r}: {e}") from e
+    if len(new) != x.ndim:
+        raise RechunkInputError(
+            f"Provided chunks are not consistent with shape: {chunks!r} has {len(new)} "
+            f"dimensions, array {x.name} has {x.ndim}"
+        )
+    if balance:
+        from dask.array.rechunk import _balance_chunksizes
+
+        new = tuple(_balance_chunksizes(c) for c in new)
+    for axis, (old_axis, new_axis) in enumerate(zip(x.chunks, new)):
+        if sum(old_axis) != sum(new_axis):
+            raise RechunkInputError(
+                f"Chunks {new_axis} along axis {axis} sum to {sum(new_axis)}, "
+                f"but the array has length {sum(old_axis)} there"
+            )
+    return new
+
+
+def _fill_unspecified(x: da.Array, chunks: Any) -> Any:
+    """Resolve dict keys to axes and ``None`` entries to the current chunks, as dask does."""
+    if isinstance(chunks, Mapping):
+        try:
+            by_axis = {validate_axis(k, x.ndim): v for k, v in chunks.items()}
+        except (ValueError, TypeError, IndexError) as e:
+            raise RechunkInputError(
+                f"Invalid chunks {dict(chunks)!r} for an array of {x.ndim} dimensions: {e}"
+            ) from e
+        return tuple(x.chunks[i] if by_axis.get(i) is None else by_axis[i] for i in range(x.ndim))
+    if isinstance(chunks, (tuple, list)):
+        return tuple(rc if lc is None else lc for lc, rc in zip(chunks, x.chunks))
+    return chunks
+
+
+def _storage_setting() -> str:
+    storage = config.get("storage")
+    if storage not in config.STORAGE_CHOICES:
+        raise RechunkInputError(
+            f"rechunk-p2p.storage is {storage!r}; choose one of {config.STORAGE_CHOICES}"
+        )
+    return storage
+
+
+def _is_xarray(x: Any) -> bool:
+    module = type(x).__module__
+    return module.startswith("xarray.") and type(x).__name__ in ("Dataset", "DataArray")
+
+
+def _default_client() -> Any:
+    try:
+        from distributed import default_client
+
+        return default_client()
+    except (ImportError, ValueError):
+        return None
+
+
+def _current_n_workers() -> int:
+    client = _default_client()
+    if client is None or client.asynchronous:
+        return 1
+    try:
+        return max(len(client.scheduler_info(n_workers=-1)["workers"]), 1)
+    except Exception:
+        return 1
+
+
+def _ensure_registered() -> None:
+    client = _default_client()
+    if client is not None and not client.asynchronous:
+        register(client)
+
+
+_registered: set[str] = set()
+
+
+def register(client: Any) -> Any:
+    """Register rechunk_p2p's scheduler and worker plugins on ``client``'s cluster.
+
+    Idempotent; workers that join later get the worker plugin too. :func:`rechunk` calls it
+    for the default client. For an asynchronous client, await the result.
+
+    Raises
+    ------
+    ClusterError
+        The scheduler cannot be reached.
+    """
+    from rechunk_p2p.scheduler import RechunkSchedulerPlugin
+
+    key = f"{client.id}@{client.scheduler.address}"
+    if key in _registered and not client.asynchronous:
+        return None
+    try:
+        result = client.register_plugin(RechunkSchedulerPlugin())
+    except OSError as e:
+        raise ClusterError(f"Cannot reach the scheduler at {client.scheduler.address}: {e}") from e
+    if client.asynchronous:
+        return result
+    _registered.add(key)
+    return None
+
+
+def cluster_statistics(client: Any) -> dict[str, int]:
+    """Totals over every worker since it started: runs, bytes sent, received and spilled."""
+    from rechunk_p2p.worker.plugin import get_plugin
+
+    def _totals(dask_worker: Any) -> dict[str, int]:
+        try:
+            totals = get_plugin(dask_worker).totals()
+        except ClusterError:
+            return {}
+        return {
+            "runs": totals.runs,
+            "bytes_sent": totals.bytes_sent,
+            "bytes_received": totals.bytes_received,
+            "bytes_spilled": totals.bytes_spilled,
+        }
+
+    per_worker = client.run(_totals)
+    keys = ("runs", "bytes_sent", "bytes_received", "bytes_spilled")
+    return {k: sum(t.get(k, 0) for t in per_worker.values()) for k in keys}

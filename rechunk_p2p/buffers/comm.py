@@ -1,0 +1,183 @@
+"""The send side of a run: batches shards per destination and sends them with back-pressure.
+
+Where it runs: the data plane's event loop. Shards arrive already cut and contiguous (task
+threads do that); this module only queues, batches and awaits sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from rechunk_p2p.buffers.base import Shard
+from rechunk_p2p.buffers.limiter import ByteLimiter
+
+logger = logging.getLogger(__name__)
+
+SendFn = Callable[[str, list[Shard]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """**Immutable.** How often and how patiently a failed send is tried again."""
+
+    count: int = 5
+    delay_min: float = 0.1
+    delay_max: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        """Exponential backoff with jitter for the given (1-based) attempt."""
+        base = min(self.delay_min * 2 ** (attempt - 1), self.delay_max)
+        return base * (0.5 + random.random() / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class CommStatistics:
+    """**Immutable.** What a :class:`CommBuffer` has sent."""
+
+    bytes_sent: int
+    messages: int
+    retries: int
+    bytes_queued: int
+
+
+class CommBuffer:
+    """**Loop-confined.** Per-destination queues of shards, sent in bounded batches.
+
+    Parameters
+    ----------
+    send
+        ``await send(address, shards)`` delivers one batch; it raises ``OSError`` on transient
+        comm errors (retried) and anything else on permanent ones.
+    limiter
+        Shared byte limit of everything queued on this worker; ``put`` waits on it.
+    concurrency
+        Shared bound of sends in flight on this worker.
+    message_bytes
+        Largest batch sent in one message (a single larger shard is sent alone).
+    retry
+        Retry policy for transient errors.
+    """
+
+    def __init__(
+        self,
+        send: SendFn,
+        limiter: ByteLimiter,
+        concurrency: asyncio.Semaphore,
+        message_bytes: int,
+        retry: RetryPolicy,
+    ) -> None:
+        self._send = send
+        self._limiter = limiter
+        self._concurrency = concurrency
+        self._message_bytes = message_bytes
+        self._retry = retry
+        self._queues: defaultdict[str, deque[tuple[Shard, int]]] = defaultdict(deque)
+        self._drainers: dict[str, asyncio.Task[None]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._exception: BaseException | None = None
+        self._closed = False
+        self._bytes_queued = 0
+        self._bytes_sent = 0
+        self._messages = 0
+        self._retries = 0
+
+    async def put(self, batches: dict[str, list[Shard]]) -> None:
+        """Queue shards per destination; waits while the worker's send buffer is full."""
+        for address, shards in batches.items():
+            for shard in shards:
+                self._raise_if_unusable()
+                nbytes = shard[2].nbytes
+                await self._limiter.acquire(nbytes)
+                if self._closed:
+                    await self._limiter.release(nbytes)
+                    self._raise_if_unusable()
+                self._queues[address].append((shard, nbytes))
+                self._bytes_queued += nbytes
+                self._ensure_drainer(address)
+
+    def _raise_if_unusable(self) -> None:
+        if self._exception is not None:
+            raise self._exception
+        if self._closed:
+            raise RuntimeError("The comm buffer is closed")
+
+    def _ensure_drainer(self, address: str) -> None:
+        if address not in self._drainers and self._queues[address]:
+            self._idle.clear()
+            self._drainers[address] = asyncio.create_task(self._drain(address))
+
+    async def _drain(self, address: str) -> None:
+        queue = self._queues[address]
+        try:
+            while queue and self._exception is None and not self._closed:
+                batch, nbytes = self._take_batch(queue)
+                try:
+                    async with self._concurrency:
+                        await self._send_with_retries(address, batch)
+                    self._bytes_sent += nbytes
+                    self._messages += 1
+                finally:
+                    self._bytes_queued -= nbytes
+                    await self._limiter.release(nbytes)
+        except Exception as e:
+            if self._exception is None:
+                self._exception = e
+        finally:
+            del self._drainers[address]
+            if self._exception is not None or self._closed:
+                await self._drop(queue)
+            if not self._drainers:
+                self._idle.set()
+
+    def _take_batch(self, queue: deque[tuple[Shard, int]]) -> tuple[list[Shard], int]:
+        batch, total = [], 0
+        while queue and (not batch or total + queue[0][1] <= self._message_bytes):
+            shard, nbytes = queue.popleft()
+            batch.append(shard)
+            total += nbytes
+        return batch, total
+
+    async def _drop(self, queue: deque[tuple[Shard, int]]) -> None:
+        dropped = sum(nbytes for _, nbytes in queue)
+        queue.clear()
+        self._bytes_queued -= dropped
+        await self._limiter.release(dropped)
+
+    async def _send_with_retries(self, address: str, batch: list[Shard]) -> None:
+        attempt = 0
+        while True:
+            try:
+                return await self._send(address, batch)
+            except OSError as e:
+                attempt += 1
+                if attempt > self._retry.count or self._closed:
+                    raise
+                self._retries += 1
+                delay = self._retry.delay(attempt)
+                logger.info("Send to %s failed (%s); retry %d in %.2fs", address, e, attempt, delay)
+                await asyncio.sleep(delay)
+
+    async def flush(self) -> None:
+        """Wait until everything queued was delivered; raise the first send error, if any."""
+        while self._drainers:
+            await self._idle.wait()
+        if self._exception is not None:
+            raise self._exception
+
+    async def close(self) -> None:
+        """Stop sending, drop what is queued and give its bytes back to the limiter."""
+        self._closed = True
+        for task in list(self._drainers.values()):
+            task.cancel()
+        await asyncio.gather(*self._drainers.values(), return_exceptions=True)
+        for queue in self._queues.values():
+            await self._drop(queue)
+
+    def statistics(self) -> CommStatistics:
+        return CommStatistics(self._bytes_sent, self._messages, self._retries, self._bytes_queued)

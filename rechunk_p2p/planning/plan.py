@@ -1,0 +1,164 @@
+"""The plan of a rechunk: its partials, and what running it will cost.
+
+Where it runs: pure (no asyncio, no distributed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+from dask.utils import format_bytes
+
+from rechunk_p2p.planning.axes import axis_groups, axis_pieces
+from rechunk_p2p.planning.partials import Chunks, Partial
+
+
+def make_partials(old_chunks: Chunks, new_chunks: Chunks) -> tuple[Partial, ...]:
+    """Decompose a rechunk into independent partials, in C order over the grid of partials.
+
+    >>> [p.index for p in make_partials(((2, 2), (3,)), ((4,), (1, 2)))]
+    [(0, 0)]
+    >>> len(make_partials(((2, 2), (3,)), ((2, 2), (1, 2))))
+    2
+    """
+    if len(old_chunks) != len(new_chunks):
+        raise ValueError(f"Chunks {old_chunks} and {new_chunks} have different dimensions")
+    groups = [axis_groups(o, n) for o, n in zip(old_chunks, new_chunks)]
+    partials = []
+    for index in itertools.product(*(range(len(g)) for g in groups)):
+        chosen = [g[i] for g, i in zip(groups, index)]
+        partials.append(
+            Partial(
+                index=index,
+                old_offset=tuple(g.old.start for g in chosen),
+                new_offset=tuple(g.new.start for g in chosen),
+                old_chunks=tuple(o[g.old.start : g.old.stop] for o, g in zip(old_chunks, chosen)),
+                new_chunks=tuple(n[g.new.start : g.new.stop] for n, g in zip(new_chunks, chosen)),
+            )
+        )
+    return tuple(partials)
+
+
+@dataclass(frozen=True)
+class RechunkPlan:
+    """**Immutable.** What a P2P rechunk will do, before it runs.
+
+    Counts are exact; byte figures for the cluster (``bytes_moved``,
+    ``per_worker_buffer_bytes``) are estimates for ``n_workers`` workers with inputs spread
+    evenly over them. Object arrays are counted at 8 bytes an element.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    old_chunks: Chunks
+    new_chunks: Chunks
+    n_workers: int = 1
+
+    @cached_property
+    def partials(self) -> tuple[Partial, ...]:
+        """The independent sub-shuffles."""
+        return make_partials(self.old_chunks, self.new_chunks)
+
+    @property
+    def n_partials(self) -> int:
+        return len(self.partials)
+
+    @cached_property
+    def n_shuffles(self) -> int:
+        """Partials that need a P2P shuffle (the others are built by plain tasks)."""
+        return sum(p.needs_shuffle for p in self.partials)
+
+    @property
+    def n_input_chunks(self) -> int:
+        return math.prod(len(c) for c in self.old_chunks)
+
+    @property
+    def n_output_chunks(self) -> int:
+        return math.prod(len(c) for c in self.new_chunks)
+
+    @cached_property
+    def n_shards(self) -> int:
+        """Non-empty intersections of an input chunk with an output chunk."""
+        return math.prod(len(axis_pieces(o, n)) for o, n in zip(self.old_chunks, self.new_chunks))
+
+    @cached_property
+    def n_tasks(self) -> int:
+        """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
+        one unpack per output; one task per output chunk elsewhere."""
+        shuffled = [p for p in self.partials if p.needs_shuffle]
+        return (
+            self.n_output_chunks
+            + sum(p.n_inputs for p in shuffled)
+            + len(shuffled)
+        )
+
+    @property
+    def itemsize(self) -> int:
+        return 8 if self.dtype.kind == "O" else max(self.dtype.itemsize, 1)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @cached_property
+    def bytes_shuffled(self) -> int:
+        """Bytes that go through a P2P shuffle."""
+        return sum(p.size for p in self.partials if p.needs_shuffle) * self.itemsize
+
+    @property
+    def bytes_moved(self) -> int:
+        """Estimated bytes that cross workers: all shuffled bytes but the local share."""
+        return self.bytes_shuffled * (self.n_workers - 1) // max(self.n_workers, 1)
+
+    @property
+    def largest_output_chunk_bytes(self) -> int:
+        return math.prod(max(c, default=0) for c in self.new_chunks) * self.itemsize
+
+    @property
+    def largest_input_chunk_bytes(self) -> int:
+        return math.prod(max(c, default=0) for c in self.old_chunks) * self.itemsize
+
+    @property
+    def per_worker_buffer_bytes(self) -> int:
+        """Estimated bytes each worker buffers (in memory or on disk) before unpacking."""
+        return -(-self.bytes_shuffled // max(self.n_workers, 1))
+
+    def __repr__(self) -> str:
+        return "\n".join(
+            [
+                f"RechunkPlan<{self.shape} {self.dtype}, {format_bytes(self.nbytes)}>",
+                f"  chunks       {_chunk_summary(self.old_chunks)} -> "
+                f"{_chunk_summary(self.new_chunks)}",
+                f"  chunk count  {self.n_input_chunks} -> {self.n_output_chunks}"
+                f" ({self.n_shards} shards)",
+                f"  partials     {self.n_partials} ({self.n_shuffles} shuffled)",
+                f"  tasks        {self.n_tasks}",
+                f"  shuffled     {format_bytes(self.bytes_shuffled)};"
+                f" ~{format_bytes(self.bytes_moved)} cross workers"
+                f" (estimate for {self.n_workers} worker{'s' * (self.n_workers != 1)})",
+                f"  per worker   ~{format_bytes(self.per_worker_buffer_bytes)} buffered",
+                f"  largest      input chunk {format_bytes(self.largest_input_chunk_bytes)},"
+                f" output chunk {format_bytes(self.largest_output_chunk_bytes)}",
+            ]
+        )
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        return f"<pre>{escape(repr(self))}</pre>"
+
+
+def _chunk_summary(chunks: Chunks) -> str:
+    """Chunk sizes in one line: the first chunk per axis, marked when the axis is irregular."""
+    parts = []
+    for axis in chunks:
+        if not axis:
+            parts.append("0")
+            continue
+        regular = len(set(axis[:-1])) <= 1 and axis[-1] <= axis[0]
+        parts.append(f"{axis[0]}" if regular else f"{max(axis)}~")
+    return "(" + ", ".join(parts) + ")"

@@ -1,0 +1,90 @@
+"""Opt-in routing of dask's ``rechunk(method="p2p")`` through this engine.
+
+Where it runs: the client (it swaps one function in ``dask.array.rechunk``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_lock = threading.Lock()
+_original: Callable[..., Any] | None = None
+
+
+def _module() -> Any:
+    import dask.array.rechunk  # noqa: F401  (ensure the module is imported)
+
+    return sys.modules["dask.array.rechunk"]
+
+
+def _chosen_method(x: Any, chunks: Any, threshold: Any, method: str | None) -> str | None:
+    if method is not None:
+        return method
+    import dask
+
+    return dask.config.get("array.rechunk.method", None)
+
+
+def _routed_rechunk(
+    x: Any,
+    chunks: Any = "auto",
+    threshold: Any = None,
+    block_size_limit: Any = None,
+    balance: bool = False,
+    method: str | None = None,
+) -> Any:
+    """dask's ``rechunk`` with ``method="p2p"`` (argument or config) sent to rechunk_p2p."""
+    assert _original is not None
+    if _chosen_method(x, chunks, threshold, method) == "p2p":
+        from rechunk_p2p.api import rechunk
+
+        return rechunk(
+            x, chunks, threshold=threshold, block_size_limit=block_size_limit, balance=balance
+        )
+    return _original(x, chunks, threshold, block_size_limit, balance, method)
+
+
+def install() -> None:
+    """Route ``x.rechunk(..., method="p2p")`` and ``array.rechunk.method: p2p`` here.
+
+    Idempotent. xarray's ``.chunk()`` on dask-backed data follows, since it calls
+    ``rechunk``. Undo with :func:`uninstall`.
+    """
+    global _original
+    with _lock:
+        module = _module()
+        if _original is not None:
+            return
+        _original = module.rechunk
+        module.rechunk = _routed_rechunk
+
+
+def uninstall() -> None:
+    """Restore exactly the ``rechunk`` that :func:`install` replaced. Idempotent."""
+    global _original
+    with _lock:
+        if _original is None:
+            return
+        _module().rechunk = _original
+        _original = None
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return _original is not None
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Route P2P rechunks here inside the block; restore what was there after it."""
+    was = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()

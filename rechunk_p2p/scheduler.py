@@ -1,0 +1,222 @@
+"""The scheduler plugin: creates runs, pins outputs to workers, runs the barrier, cleans up.
+
+Where it runs: the scheduler's event loop. Everything here is coordination over small
+messages; no array data ever reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import SchedulerPlugin
+from distributed.core import error_message
+from distributed.protocol.pickle import dumps
+from distributed.protocol.serialize import ToPickle
+
+from rechunk_p2p.errors import ClusterError, StaleRunError
+from rechunk_p2p.spec import RunSpec, ShuffleSpec, barrier_key, id_from_key
+from rechunk_p2p.worker.plugin import METADATA_KEY, PLUGIN_NAME, RechunkWorkerPlugin
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerRun:
+    """**Loop-confined.** The scheduler's record of one active run."""
+
+    run_spec: RunSpec
+    participants: set[str] = field(default_factory=set)
+    restricted: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.run_spec.id
+
+    @property
+    def workers(self) -> set[str]:
+        return set(self.run_spec.workers) | self.participants
+
+
+class RechunkSchedulerPlugin(SchedulerPlugin):
+    """**Loop-confined.** rechunk_p2p's state on the scheduler.
+
+    On start it registers its RPC handlers and the worker plugin (on every current and future
+    worker). A run is created when the first transfer task of a sub-shuffle asks for it, and
+    forgotten (on every worker too) when its barrier task is released, errs or is forgotten,
+    or restarted with a new run id when one of its workers leaves.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.active: dict[str, SchedulerRun] = {}
+        self._run_ids = itertools.count(1)
+        self._shifts = itertools.count()
+        self.runs_created = 0
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())  # a fresh plugin on the other side: state is per process
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update(
+            {
+                "rechunk_p2p_get_or_create": self.get_or_create,
+                "rechunk_p2p_barrier": self.barrier,
+                "rechunk_p2p_restrict": self.restrict,
+            }
+        )
+        await scheduler.register_worker_plugin(
+            None, dumps(RechunkWorkerPlugin()), name=PLUGIN_NAME, idempotent=True
+        )
+
+    # --- handlers -------------------------------------------------------------------------
+
+    def get_or_create(self, shuffle_id: str, worker: str) -> dict:
+        """The current run of ``shuffle_id``, created on first request."""
+        try:
+            run = self.active.get(shuffle_id) or self._create(shuffle_id)
+        except (ClusterError, StaleRunError) as e:
+            return error_message(e)
+        run.participants.add(worker)
+        return {"status": "OK", "run_spec": ToPickle(run.run_spec)}
+
+    def _create(self, shuffle_id: str) -> SchedulerRun:
+        spec = self._spec(shuffle_id)
+        workers = self._eligible_workers(shuffle_id)
+        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
+        run_spec = RunSpec(
+            spec=spec,
+            run_id=next(self._run_ids),
+            workers=tuple(workers),
+            dataplanes=tuple(dataplanes[w] for w in workers),
+            shift=next(self._shifts) % len(workers),
+        )
+        run = SchedulerRun(run_spec)
+        self._pin_outputs(run)
+        self.active[shuffle_id] = run
+        self.runs_created += 1
+        logger.debug("Created run %d of rechunk %s on %d workers", run_spec.run_id, shuffle_id,
+                     len(workers))
+        return run
+
+    def _spec(self, shuffle_id: str) -> ShuffleSpec:
+        ts = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        spec = getattr(getattr(ts, "run_spec", None), "spec", None)
+        if not isinstance(spec, ShuffleSpec):
+            raise StaleRunError(
+                f"The barrier task of rechunk {shuffle_id} is not on the scheduler (it was "
+                "released, or an optimisation renamed it); cannot start the rechunk"
+            )
+        return spec
+
+    def _eligible_workers(self, shuffle_id: str) -> list[str]:
+        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
+        workers = [
+            addr for addr, ws in self.scheduler.workers.items()
+            if addr in dataplanes and getattr(ws.status, "name", "running") == "running"
+        ]
+        barrier = self.scheduler.tasks[barrier_key(shuffle_id)]
+        if barrier.worker_restrictions:
+            workers = [w for w in workers if w in barrier.worker_restrictions]
+        if not workers:
+            raise ClusterError(
+                f"No running worker has the rechunk_p2p plugin; cannot run rechunk {shuffle_id}"
+            )
+        return sorted(workers)
+
+    def _pin_outputs(self, run: SchedulerRun) -> None:
+        """Restrict each unpack task to the worker that will hold its shards."""
+        spec = run.run_spec.spec
+        tasks = self.scheduler.tasks
+        pins = {}
+        for flat in range(spec.partial.n_outputs):
+            key = spec.output_key(flat)
+            ts = tasks.get(key)
+            if ts is None or ts.state not in ("released", "waiting", "no-worker", "queued"):
+                continue
+            run.restricted[key] = ts.worker_restrictions
+            pins[key] = {run.run_spec.worker_for(flat)}
+        self.scheduler.set_restrictions(pins)
+
+    def _unpin_outputs(self, run: SchedulerRun) -> None:
+        tasks = self.scheduler.tasks
+        originals = {k: r for k, r in run.restricted.items() if k in tasks}
+        self.scheduler.set_restrictions(originals)
+        run.restricted.clear()
+
+    async def barrier(self, shuffle_id: str, run_id: int) -> dict:
+        """Every input of the run was cut: make every participant flush its sends."""
+        run = self.active.get(shuffle_id)
+        if run is None or run.run_spec.run_id != run_id:
+            return error_message(StaleRunError(
+                f"Barrier of run {run_id} of rechunk {shuffle_id}: that run is not active"
+            ))
+        msg = {"op": "rechunk_p2p_inputs_done", "shuffle_id": shuffle_id, "run_id": run_id}
+        targets = [w for w in run.participants if w in self.scheduler.workers]
+        results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
+        for worker, result in results.items():
+            if isinstance(result, Exception):
+                return error_message(type(result)(
+                    f"Rechunk {shuffle_id} (run {run_id}) failed to flush on {worker}: {result}"
+                ) if isinstance(result, StaleRunError) else result)
+        return {"status": "OK"}
+
+    def restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> dict:
+        """Pin one unpack task to ``worker`` (used when it first ran elsewhere)."""
+        run = self.active.get(shuffle_id)
+        if run is None or run.run_spec.run_id != run_id:
+            return error_message(StaleRunError(f"Run {run_id} of rechunk {shuffle_id} is not active"))
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None:
+            run.restricted.setdefault(key, ts.worker_restrictions)
+            self.scheduler.set_restrictions({key: {worker}})
+        return {"status": "OK"}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """Forget a run once its barrier is released, erred or forgotten."""
+        if finish not in ("released", "erred", "forgotten"):
+            return
+        shuffle_id = id_from_key(key)
+        if shuffle_id is not None and shuffle_id in self.active:
+            self._close(shuffle_id, reason=f"barrier {finish}")
+
+    def _close(self, shuffle_id: str, reason: str) -> SchedulerRun:
+        run = self.active.pop(shuffle_id)
+        self._unpin_outputs(run)
+        msg = {"op": "rechunk_p2p_close", "shuffle_id": shuffle_id,
+               "run_id": run.run_spec.run_id, "reason": reason}
+        streams = self.scheduler.stream_comms
+        self.scheduler.send_all({}, {w: [msg] for w in run.workers if w in streams})
+        return run
+
+    def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        """A worker left: restart every run it took part in, with a new run id."""
+        for shuffle_id, run in list(self.active.items()):
+            if worker in run.workers:
+                logger.warning("Worker %s left during rechunk %s (run %d); restarting it",
+                               worker, shuffle_id, run.run_spec.run_id)
+                self._close(shuffle_id, reason=f"worker {worker} left")
+                self._restart(shuffle_id, stimulus_id)
+
+    def _restart(self, shuffle_id: str, stimulus_id: str) -> None:
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None:
+            return
+        if any(dt.state == "erred" for dt in barrier.dependents) or barrier.state == "erred":
+            return
+        recs = {dt.key: "released" for dt in barrier.dependents}
+        recs[barrier.key] = "released"
+        recs.update({dt.key: "released" for dt in barrier.dependencies})
+        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+    def restart(self, scheduler: Any) -> None:
+        self.active.clear()

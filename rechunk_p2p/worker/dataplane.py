@@ -1,0 +1,144 @@
+"""The data plane: a worker's shard traffic on an event loop of its own.
+
+Where it runs: the data plane's event loop, in a dedicated thread of each worker process.
+
+Bulk bytes never touch the worker's own event loop: shards are sent through a
+:class:`distributed.core.ConnectionPool` and received by a listener that both live on this
+loop, with the worker's security settings (so TLS still applies). Reading large messages off
+sockets therefore delays this loop, not the one that answers heartbeats and schedules tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from distributed.comm import listen
+from distributed.comm.addressing import get_address_host, parse_address
+from distributed.core import ConnectionPool, error_message
+from distributed.protocol import to_serialize
+
+from rechunk_p2p.buffers.base import Shard
+from rechunk_p2p.buffers.limiter import ByteLimiter
+from rechunk_p2p.offload import LoopThread, from_thread
+
+logger = logging.getLogger(__name__)
+
+ReceiveFn = Callable[[str, int, list[Shard]], Awaitable[None]]
+SHARDS_OP = "rechunk_p2p_shards"
+
+
+class DataPlane:
+    """**Thread-safe (guarded by its loop).** Listener, connection pool and send limits of one
+    worker's shard traffic, all on a dedicated event loop.
+
+    Parameters
+    ----------
+    worker_address
+        The worker's own address; the data plane listens on the same host and scheme
+        (``inproc`` workers use TCP on localhost).
+    security
+        The worker's :class:`distributed.Security`.
+    receive
+        ``await receive(shuffle_id, run_id, shards)``, run on this loop for every message.
+    buffer_bytes
+        Bytes queued for sending before transfer tasks are held back.
+    concurrency
+        Sends in flight at once.
+    """
+
+    def __init__(
+        self,
+        worker_address: str,
+        security: Any,
+        receive: ReceiveFn,
+        *,
+        buffer_bytes: int,
+        concurrency: int,
+    ) -> None:
+        self._worker_address = worker_address
+        self._security = security
+        self._receive = receive
+        self._thread = LoopThread(f"rechunk-p2p-dataplane-{worker_address}")
+        self.limiter = ByteLimiter(buffer_bytes)
+        self._concurrency_n = concurrency
+        self.concurrency: asyncio.Semaphore | None = None
+        self.address: str | None = None
+        self._listener: Any = None
+        self._pool: ConnectionPool | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._thread.loop
+
+    def start_blocking(self) -> str:
+        """Start the loop thread, listen, and return the data plane's address."""
+        self._thread.start_blocking()
+        return from_thread(self.loop, self._start)
+
+    async def _start(self) -> str:
+        scheme, _ = parse_address(self._worker_address)
+        if scheme not in ("tcp", "tls"):
+            scheme = "tcp"
+        host = get_address_host(self._worker_address) if scheme != "inproc" else "127.0.0.1"
+        listen_args = self._security.get_listen_args("worker")
+        self._listener = listen(f"{scheme}://{host}:0", self._handle_comm, **listen_args)
+        await self._listener.start()
+        self._pool = ConnectionPool(
+            limit=512, connection_args=self._security.get_connection_args("worker")
+        )
+        await self._pool.start()
+        self.concurrency = asyncio.Semaphore(self._concurrency_n)
+        self.address = self._listener.contact_address
+        return self.address
+
+    def stop_blocking(self) -> None:
+        """Close the listener and the pool, then stop the loop thread."""
+        try:
+            from_thread(self.loop, self._stop, timeout=10)
+        except Exception:  # the loop may already be gone at interpreter exit
+            logger.debug("Data plane did not stop cleanly", exc_info=True)
+        self._thread.stop_blocking()
+
+    async def _stop(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+        if self._pool is not None:
+            await self._pool.close()
+
+    async def send(self, address: str, shuffle_id: str, run_id: int, shards: list[Shard]) -> None:
+        """Deliver one batch of shards to the data plane at ``address`` and await its ack."""
+        assert self._pool is not None
+        await self._pool(address).rechunk_p2p_shards(
+            shuffle_id=shuffle_id,
+            run_id=run_id,
+            outputs=[s[0] for s in shards],
+            inputs=[s[1] for s in shards],
+            arrays=[to_serialize(s[2]) for s in shards],
+        )
+
+    async def _handle_comm(self, comm: Any) -> None:
+        try:
+            while True:
+                msg = await comm.read()
+                reply = await self._dispatch(msg)
+                await comm.write(reply)
+        except OSError:  # the sender closed its connection
+            pass
+        finally:
+            await comm.close()
+
+    async def _dispatch(self, msg: dict) -> Any:
+        op = msg.get("op")
+        if op == "close":
+            raise OSError("closed by peer")
+        if op != SHARDS_OP:
+            return error_message(ValueError(f"Unknown data plane operation {op!r}"))
+        try:
+            shards = list(zip(msg["outputs"], msg["inputs"], msg["arrays"]))
+            await self._receive(msg["shuffle_id"], msg["run_id"], shards)
+        except Exception as e:
+            return error_message(e)
+        return {"status": "OK"}

@@ -1,0 +1,290 @@
+"""The worker plugin: runs of this worker, RPC handlers, and the hooks tasks call into.
+
+Where it runs: ``setup``/``teardown`` and the handlers (``_inputs_done``, ``_close``,
+``_fetch_run``) on the worker's event loop; ``receive`` on the data plane's loop;
+``get_run_blocking``/``barrier_blocking``/``restrict_blocking`` in task threads (one hop to the
+worker's loop each, and only when the run is not known here yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import WorkerPlugin
+from distributed.protocol.serialize import ToPickle
+
+from rechunk_p2p import config
+from rechunk_p2p.buffers.base import Shard, make_store
+from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
+from rechunk_p2p.errors import ClusterError, StaleRunError
+from rechunk_p2p.offload import OffloadPool, from_thread
+from rechunk_p2p.spec import RunSpec
+from rechunk_p2p.worker.dataplane import DataPlane
+from rechunk_p2p.worker.run import RunStatistics, WorkerRun
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "rechunk-p2p"
+METADATA_KEY = "rechunk-p2p-dataplane"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTotals:
+    """**Immutable.** Totals of every run this worker closed, plus the ones still open."""
+
+    runs: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_spilled: int
+
+
+class RechunkWorkerPlugin(WorkerPlugin):
+    """**Thread-safe (guarded by `_lock`).** rechunk_p2p's state on one worker.
+
+    Registered by :func:`rechunk_p2p.register` (or the scheduler plugin) under the name
+    ``"rechunk-p2p"``; reach it from a task with :func:`get_plugin`.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.runs: dict[str, WorkerRun] = {}
+        self.worker: Any = None
+        self.dataplane: DataPlane | None = None
+        self.offload: OffloadPool | None = None
+        self._fetching: dict[str, asyncio.Future[WorkerRun]] = {}
+        self._closed_totals = [0, 0, 0, 0]
+        self._background: set[asyncio.Future[None]] = set()
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())  # a fresh plugin on the other side: state is per process
+
+    # --- lifecycle (worker loop) ----------------------------------------------------------
+
+    async def setup(self, worker: Any) -> None:
+        self.worker = worker
+        self.offload = OffloadPool(config.get("offload-threads"))
+        self.dataplane = DataPlane(
+            worker.address,
+            worker.security,
+            self.receive,
+            buffer_bytes=config.get_bytes("comm.buffer-bytes-limit"),
+            concurrency=config.get("comm.concurrency"),
+        )
+        address = await asyncio.to_thread(self.dataplane.start_blocking)
+        worker.handlers["rechunk_p2p_inputs_done"] = self._inputs_done
+        worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
+        await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
+        logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
+
+    async def teardown(self, worker: Any) -> None:
+        with self._lock:
+            runs = list(self.runs.values())
+        await asyncio.gather(*(self._close_run(run) for run in runs), return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
+        worker.handlers.pop("rechunk_p2p_inputs_done", None)
+        worker.stream_handlers.pop("rechunk_p2p_close", None)
+        if self.dataplane is not None:
+            await asyncio.to_thread(self.dataplane.stop_blocking)
+        if self.offload is not None:
+            self.offload.shutdown(wait=False)
+
+    # --- runs -----------------------------------------------------------------------------
+
+    def get_run_blocking(self, shuffle_id: str) -> WorkerRun:
+        """From a task thread: the open run of ``shuffle_id``, fetched once from the scheduler."""
+        with self._lock:
+            run = self.runs.get(shuffle_id)
+        if run is not None:
+            return run
+        return from_thread(self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id)
+
+    async def _fetch_run(self, shuffle_id: str, min_run_id: int = 0) -> WorkerRun:
+        """On the worker loop: ask the scheduler for the current run (deduplicated)."""
+        with self._lock:
+            run = self.runs.get(shuffle_id)
+        if run is not None and run.run_id >= min_run_id:
+            return run
+        if shuffle_id not in self._fetching:
+            self._fetching[shuffle_id] = asyncio.ensure_future(self._fetch(shuffle_id))
+            self._fetching[shuffle_id].add_done_callback(
+                lambda _: self._fetching.pop(shuffle_id, None)
+            )
+        return await asyncio.shield(self._fetching[shuffle_id])
+
+    async def _fetch(self, shuffle_id: str) -> WorkerRun:
+        response = await self.worker.scheduler.rechunk_p2p_get_or_create(
+            shuffle_id=shuffle_id, worker=self.worker.address
+        )
+        if response["status"] != "OK":
+            raise StaleRunError(response["message"])
+        run_spec: RunSpec = response["run_spec"]
+        with self._lock:
+            old = self.runs.get(shuffle_id)
+        if old is not None:
+            if old.run_id >= run_spec.run_id:
+                return old
+            await self._close_run(old)
+        run = self._new_run(run_spec)
+        with self._lock:
+            self.runs[shuffle_id] = run
+        return run
+
+    def _new_run(self, run_spec: RunSpec) -> WorkerRun:
+        assert self.dataplane is not None and self.offload is not None
+        storage = self._resolve_storage(run_spec)
+        directory = os.path.join(self.worker.local_directory, "rechunk-p2p")
+        store = make_store(
+            storage, dtype=run_spec.spec.dtype, directory=directory,
+            name=f"{run_spec.id}-run{run_spec.run_id}",
+        )
+        shuffle_id, run_id, dataplane = run_spec.id, run_spec.run_id, self.dataplane
+
+        async def send(address: str, shards: list[Shard]) -> None:
+            await dataplane.send(address, shuffle_id, run_id, shards)
+
+        comm = CommBuffer(
+            send,
+            dataplane.limiter,
+            dataplane.concurrency,  # type: ignore[arg-type]
+            message_bytes=config.get_bytes("comm.message-bytes-limit"),
+            retry=RetryPolicy(
+                config.get("comm.retry-count"),
+                config.get_seconds("comm.retry-delay-min"),
+                config.get_seconds("comm.retry-delay-max"),
+            ),
+        )
+        return WorkerRun(
+            run_spec, self.worker.address, store, storage, dataplane, self.offload, comm
+        )
+
+    def _resolve_storage(self, run_spec: RunSpec) -> str:
+        storage = run_spec.spec.storage
+        if storage != "auto":
+            return storage
+        limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
+        if not limit:
+            return "memory"
+        budget = limit * config.get("storage-memory-fraction")
+        return "memory" if run_spec.spec.buffer_estimate <= budget else "disk"
+
+    async def _close_run(self, run: WorkerRun) -> None:
+        with self._lock:
+            if self.runs.get(run.id) is run:
+                del self.runs[run.id]
+        stats = run.statistics()
+        await run.close()
+        with self._lock:
+            totals = self._closed_totals
+            totals[0] += 1
+            totals[1] += stats.bytes_sent
+            totals[2] += stats.bytes_received
+            totals[3] += stats.bytes_spilled
+
+    # --- handlers -------------------------------------------------------------------------
+
+    async def receive(self, shuffle_id: str, run_id: int, shards: list[Shard]) -> None:
+        """On the data plane loop: store shards that another worker sent."""
+        with self._lock:
+            run = self.runs.get(shuffle_id)
+        if run is None or run.run_id < run_id:
+            from rechunk_p2p.offload import on_loop
+
+            run = await on_loop(
+                self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id, run_id
+            )
+        if run.run_id != run_id:
+            raise StaleRunError(
+                f"Shards for run {run_id} of rechunk {shuffle_id} reached "
+                f"{self.worker.address}, which runs run {run.run_id}"
+            )
+        await run.receive(shards)
+
+    async def _inputs_done(self, shuffle_id: str, run_id: int) -> None:
+        """The barrier: every input was cut; flush this worker's sends."""
+        with self._lock:
+            run = self.runs.get(shuffle_id)
+        if run is None:
+            return  # this worker sent nothing for this run
+        if run.run_id != run_id:
+            raise StaleRunError(
+                f"Barrier of run {run_id} of rechunk {shuffle_id} reached "
+                f"{self.worker.address}, which runs run {run.run_id}"
+            )
+        await run.flush()
+
+    def _close_handler(self, shuffle_id: str, run_id: int, reason: str = "") -> None:
+        with self._lock:
+            run = self.runs.get(shuffle_id)
+        if run is not None and run.run_id <= run_id:
+            logger.debug("Closing %r: %s", run, reason)
+            task = asyncio.ensure_future(self._close_run(run))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    # --- task threads ---------------------------------------------------------------------
+
+    def barrier_blocking(self, shuffle_id: str, run_id: int) -> None:
+        """From the barrier task: ask the scheduler to flush every worker's sends."""
+        from_thread(self.worker.loop.asyncio_loop, self._barrier, shuffle_id, run_id)
+
+    async def _barrier(self, shuffle_id: str, run_id: int) -> None:
+        response = await self.worker.scheduler.rechunk_p2p_barrier(
+            shuffle_id=shuffle_id, run_id=run_id
+        )
+        if response["status"] != "OK":
+            raise StaleRunError(response["message"])
+
+    def restrict_blocking(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> None:
+        """From an unpack task on the wrong worker: pin it to the worker that owns its data."""
+        from_thread(
+            self.worker.loop.asyncio_loop, self._restrict, shuffle_id, run_id, key, worker
+        )
+
+    async def _restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> None:
+        response = await self.worker.scheduler.rechunk_p2p_restrict(
+            shuffle_id=shuffle_id, run_id=run_id, key=ToPickle(key), worker=worker
+        )
+        if response["status"] != "OK":
+            raise StaleRunError(response["message"])
+
+    # --- diagnostics ----------------------------------------------------------------------
+
+    def run_statistics(self) -> list[RunStatistics]:
+        with self._lock:
+            runs = list(self.runs.values())
+        return [run.statistics() for run in runs]
+
+    def totals(self) -> WorkerTotals:
+        open_stats = self.run_statistics()
+        with self._lock:
+            runs, sent, received, spilled = self._closed_totals
+        return WorkerTotals(
+            runs=runs + len(open_stats),
+            bytes_sent=sent + sum(s.bytes_sent for s in open_stats),
+            bytes_received=received + sum(s.bytes_received for s in open_stats),
+            bytes_spilled=spilled + sum(s.bytes_spilled for s in open_stats),
+        )
+
+
+def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:
+    """The rechunk_p2p plugin of ``worker`` (default: the worker running this task)."""
+    if worker is None:
+        from distributed import get_worker
+
+        worker = get_worker()
+    try:
+        return worker.plugins[PLUGIN_NAME]
+    except KeyError:
+        raise ClusterError(
+            f"The rechunk_p2p worker plugin is not installed on {worker.address}. Call "
+            "rechunk_p2p.register(client) (rechunk_p2p.rechunk does so when a client "
+            "exists), or start the scheduler with --preload rechunk_p2p."
+        ) from None
