@@ -147,8 +147,9 @@ def normalize(
             chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks
         )
     except (ValueError, TypeError) as e:
-        raise RechunkInputError(f"Cannot rechunk array {x.name} of shape {x.shape} to "
-                                f"{chunks!r}: {e}") from e
+        raise RechunkInputError(
+            f"Cannot rechunk array {x.name} of shape {x.shape} to {chunks!r}: {e}"
+        ) from e
     if len(new) != x.ndim:
         raise RechunkInputError(
             f"Provided chunks are not consistent with shape: {chunks!r} has {len(new)} "

@@ -101,8 +101,9 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self._pin_outputs(run)
         self.active[shuffle_id] = run
         self.runs_created += 1
-        logger.debug("Created run %d of rechunk %s on %d workers", run_spec.run_id, shuffle_id,
-                     len(workers))
+        logger.debug(
+            "Created run %d of rechunk %s on %d workers", run_spec.run_id, shuffle_id, len(workers)
+        )
         return run
 
     def _spec(self, shuffle_id: str) -> ShuffleSpec:
@@ -118,7 +119,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def _eligible_workers(self, shuffle_id: str) -> list[str]:
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         workers = [
-            addr for addr, ws in self.scheduler.workers.items()
+            addr
+            for addr, ws in self.scheduler.workers.items()
             if addr in dataplanes and getattr(ws.status, "name", "running") == "running"
         ]
         barrier = self.scheduler.tasks[barrier_key(shuffle_id)]
@@ -154,24 +156,32 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         """Every input of the run was cut: make every participant flush its sends."""
         run = self.active.get(shuffle_id)
         if run is None or run.run_spec.run_id != run_id:
-            return error_message(StaleRunError(
-                f"Barrier of run {run_id} of rechunk {shuffle_id}: that run is not active"
-            ))
+            return error_message(
+                StaleRunError(
+                    f"Barrier of run {run_id} of rechunk {shuffle_id}: that run is not active"
+                )
+            )
         msg = {"op": "rechunk_p2p_inputs_done", "shuffle_id": shuffle_id, "run_id": run_id}
         targets = [w for w in run.participants if w in self.scheduler.workers]
         results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
         for worker, result in results.items():
             if isinstance(result, Exception):
-                return error_message(type(result)(
-                    f"Rechunk {shuffle_id} (run {run_id}) failed to flush on {worker}: {result}"
-                ) if isinstance(result, StaleRunError) else result)
+                return error_message(
+                    type(result)(
+                        f"Rechunk {shuffle_id} (run {run_id}) failed to flush on {worker}: {result}"
+                    )
+                    if isinstance(result, StaleRunError)
+                    else result
+                )
         return {"status": "OK"}
 
     def restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> dict:
         """Pin one unpack task to ``worker`` (used when it first ran elsewhere)."""
         run = self.active.get(shuffle_id)
         if run is None or run.run_spec.run_id != run_id:
-            return error_message(StaleRunError(f"Run {run_id} of rechunk {shuffle_id} is not active"))
+            return error_message(
+                StaleRunError(f"Run {run_id} of rechunk {shuffle_id} is not active")
+            )
         ts = self.scheduler.tasks.get(key)
         if ts is not None:
             run.restricted.setdefault(key, ts.worker_restrictions)
@@ -191,18 +201,28 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def _close(self, shuffle_id: str, reason: str) -> SchedulerRun:
         run = self.active.pop(shuffle_id)
         self._unpin_outputs(run)
-        msg = {"op": "rechunk_p2p_close", "shuffle_id": shuffle_id,
-               "run_id": run.run_spec.run_id, "reason": reason}
+        msg = {
+            "op": "rechunk_p2p_close",
+            "shuffle_id": shuffle_id,
+            "run_id": run.run_spec.run_id,
+            "reason": reason,
+        }
         streams = self.scheduler.stream_comms
         self.scheduler.send_all({}, {w: [msg] for w in run.workers if w in streams})
         return run
 
-    def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+    def remove_worker(
+        self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
+    ) -> None:
         """A worker left: restart every run it took part in, with a new run id."""
         for shuffle_id, run in list(self.active.items()):
             if worker in run.workers:
-                logger.warning("Worker %s left during rechunk %s (run %d); restarting it",
-                               worker, shuffle_id, run.run_spec.run_id)
+                logger.warning(
+                    "Worker %s left during rechunk %s (run %d); restarting it",
+                    worker,
+                    shuffle_id,
+                    run.run_spec.run_id,
+                )
                 self._close(shuffle_id, reason=f"worker {worker} left")
                 self._restart(shuffle_id, stimulus_id)
 

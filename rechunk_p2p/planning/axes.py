@@ -76,7 +76,11 @@ def axis_pieces(old: tuple[int, ...], new: tuple[int, ...]) -> tuple[AxisPiece, 
         if hi > lo:
             pieces.append(
                 AxisPiece(
-                    i, j, lo - old_bounds[i], hi - old_bounds[i], lo - new_bounds[j],
+                    i,
+                    j,
+                    lo - old_bounds[i],
+                    hi - old_bounds[i],
+                    lo - new_bounds[j],
                     hi - new_bounds[j],
                 )
             )

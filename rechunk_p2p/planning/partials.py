@@ -150,7 +150,9 @@ class Partial:
             inp = _ravel_local(tuple(p.old for p in combo), self.old_grid)
             yield inp, tuple(p.new_slice for p in combo)
 
-    def inputs_of_output(self, flat: int) -> Iterator[tuple[NDIndex, tuple[slice, ...], tuple[slice, ...]]]:
+    def inputs_of_output(
+        self, flat: int
+    ) -> Iterator[tuple[NDIndex, tuple[slice, ...], tuple[slice, ...]]]:
         """Global input index, input slices and output slices of every piece of output ``flat``."""
         local = _unravel(flat, self.new_grid)
         per_axis = [by_new.get(i, ()) for by_new, i in zip(self._by_new, local)]

@@ -90,11 +90,7 @@ class RechunkPlan:
         """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
         one unpack per output; one task per output chunk elsewhere."""
         shuffled = [p for p in self.partials if p.needs_shuffle]
-        return (
-            self.n_output_chunks
-            + sum(p.n_inputs for p in shuffled)
-            + len(shuffled)
-        )
+        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled)
 
     @property
     def itemsize(self) -> int:

@@ -142,7 +142,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
         storage = self._resolve_storage(run_spec)
         directory = os.path.join(self.worker.local_directory, "rechunk-p2p")
         store = make_store(
-            storage, dtype=run_spec.spec.dtype, directory=directory,
+            storage,
+            dtype=run_spec.spec.dtype,
+            directory=directory,
             name=f"{run_spec.id}-run{run_spec.run_id}",
         )
         shuffle_id, run_id, dataplane = run_spec.id, run_spec.run_id, self.dataplane
@@ -197,9 +199,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         if run is None or run.run_id < run_id:
             from rechunk_p2p.offload import on_loop
 
-            run = await on_loop(
-                self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id, run_id
-            )
+            run = await on_loop(self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id, run_id)
         if run.run_id != run_id:
             raise StaleRunError(
                 f"Shards for run {run_id} of rechunk {shuffle_id} reached "
@@ -244,9 +244,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def restrict_blocking(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> None:
         """From an unpack task on the wrong worker: pin it to the worker that owns its data."""
-        from_thread(
-            self.worker.loop.asyncio_loop, self._restrict, shuffle_id, run_id, key, worker
-        )
+        from_thread(self.worker.loop.asyncio_loop, self._restrict, shuffle_id, run_id, key, worker)
 
     async def _restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> None:
         response = await self.worker.scheduler.rechunk_p2p_restrict(

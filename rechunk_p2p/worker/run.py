@@ -94,7 +94,8 @@ class WorkerRun:
         self._closed = threading.Event()
 
     def __repr__(self) -> str:
-        return f"<WorkerRun {self.id} run_id={self.run_id} {self.phase.value} on {self.worker_address}>"
+        phase = self.phase.value
+        return f"<WorkerRun {self.id} run {self.run_id} {phase} on {self.worker_address}>"
 
     @property
     def id(self) -> str:
@@ -145,7 +146,9 @@ class WorkerRun:
         with self._lock:
             self._inputs += 1
 
-    def _cut_blocking(self, flat: int, data: np.ndarray) -> tuple[list[Shard], dict[str, list[Shard]]]:
+    def _cut_blocking(
+        self, flat: int, data: np.ndarray
+    ) -> tuple[list[Shard], dict[str, list[Shard]]]:
         spec = self.run_spec
         copy_local = self.storage == "memory"
         local: list[Shard] = []
@@ -233,7 +236,7 @@ def _assemble(
 ) -> np.ndarray:
     """One contiguous, writeable array from its shards (blocking: numpy copies)."""
     if len(shards) == 1:
-        (_, arr), = shards
+        ((_, arr),) = shards
         if arr.shape == shape and arr.flags.c_contiguous and arr.flags.writeable:
             return arr
     out = np.empty(shape, dtype=dtype)
