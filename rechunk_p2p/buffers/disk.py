@@ -44,6 +44,17 @@ try:
 except (AttributeError, ValueError, OSError):  # pragma: no cover - platform dependent
     _IOV_MAX = 16
 
+_WRITE_ADVICE = (
+    "Free space on that disk, point the worker's local directory elsewhere "
+    "(`dask worker --local-directory ...` or the `temporary-directory` config), or "
+    'buffer shards in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
+)
+_READ_ADVICE = (
+    "The spilled data was removed or truncated by something else, or the disk failed; "
+    "check the worker's local directory, or buffer shards in memory with "
+    'dask.config.set({"rechunk-p2p.storage": "memory"}).'
+)
+
 # (offset, nbytes, input index, shape)
 _Entry = tuple[int, int, int, tuple[int, ...]]
 
@@ -211,7 +222,8 @@ class DiskShardStore:
         except OSError as exc:
             with self._lock:
                 self._release_locked()
-            raise self._storage_error(exc, f"read {nbytes} bytes of output {output}") from exc
+            action = f"read {nbytes} bytes of output {output}"
+            raise self._storage_error(exc, action, _READ_ADVICE) from exc
         with self._lock:
             self._bytes_read += nbytes
             self._release_locked()
@@ -275,7 +287,8 @@ class DiskShardStore:
             if self._finalizer is not None:
                 self._finalizer()
         except OSError as exc:
-            raise self._storage_error(exc, "remove the spilled shards") from exc
+            advice = "Remove that directory by hand once no worker uses it."
+            raise self._storage_error(exc, "remove the spilled shards", advice) from exc
         finally:
             self._close_done.set()
 
@@ -292,15 +305,13 @@ class DiskShardStore:
                 outputs=len(self._index),
             )
 
-    def _storage_error(self, exc: OSError, action: str) -> RechunkStorageError:
+    def _storage_error(self, exc: OSError, action: str, advice: str = "") -> RechunkStorageError:
         """Translate an ``OSError`` into an actionable :class:`RechunkStorageError`."""
         where = self._path or os.path.join(self.directory, _safe_name(self.name))
         reason = exc.strerror or str(exc) or type(exc).__name__
         message = (
             f"The disk shard store {self.name!r} could not {action} in {where!r}: {reason}. "
-            "Free space on that disk, point the worker's local directory elsewhere "
-            "(`dask worker --local-directory ...` or the `temporary-directory` config), or "
-            'buffer shards in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
+            + (advice or _WRITE_ADVICE)
         )
         if exc.errno is not None:
             return RechunkStorageError(exc.errno, message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -233,8 +234,11 @@ def test_truncated_file_is_a_storage_error_on_read(tmp_path):
     os.truncate(os.path.join(store.path, disk_module.DATA_FILE), 40)
     [(_, ok)] = store.read_blocking(0)
     assert ok.tolist() == [0] * 4
-    with pytest.raises(RechunkStorageError, match=r"read 32 bytes of output 1.*ended early"):
+    expected = r"read 32 bytes of output 1.*ended early"
+    with pytest.raises(RechunkStorageError, match=expected) as info:
         store.read_blocking(1)
+    assert "removed or truncated by something else" in str(info.value)
+    assert store.statistics().outputs == 0  # the output was discarded even though it failed
     store.close_blocking()
     assert not os.listdir(tmp_path)
 
@@ -281,3 +285,17 @@ def test_batches_larger_than_iov_max(monkeypatch, tmp_path):
     assert [a.tolist() for _, a in got] == [[i] * 3 for i in range(10)]
     assert sizes == [4, 4, 2]
     store.close_blocking()
+
+
+def test_failure_to_remove_is_reported_once(monkeypatch, tmp_path):
+    store = make_store("disk", dtype=np.dtype("i8"), directory=tmp_path, name="stuck")
+    store.write_blocking([shard(0, 0)])
+    path = store.path
+    monkeypatch.setattr(shutil, "rmtree", fail_with(errno.EACCES))
+    with pytest.raises(RechunkStorageError, match="Remove that directory by hand") as info:
+        store.close_blocking()
+    assert info.value.errno == errno.EACCES and path in str(info.value)
+    store.close_blocking()  # idempotent: no second attempt, no second error
+    monkeypatch.undo()
+    assert os.listdir(path) == [disk_module.DATA_FILE]
+    shutil.rmtree(path)
