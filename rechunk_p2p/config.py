@@ -24,8 +24,19 @@ STORAGE_CHOICES = ("disk", "memory", "auto")
 
 
 def get(key: str) -> Any:
-    """Return the setting ``rechunk-p2p.<key>``."""
-    return dask.config.get(f"rechunk-p2p.{key}")
+    """Return the setting ``rechunk-p2p.<key>``.
+
+    Falls back on the packaged default when the key is missing, for example after a test
+    harness replaced ``dask.config.config`` wholesale.
+    """
+    return dask.config.get(f"rechunk-p2p.{key}", default=_default(key))
+
+
+def _default(key: str) -> Any:
+    node: Any = _DEFAULTS["rechunk-p2p"]
+    for part in key.split("."):
+        node = node[part]
+    return node
 
 
 def get_bytes(key: str) -> int:

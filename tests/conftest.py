@@ -1,0 +1,71 @@
+"""Shared fixtures and cleanup assertions for rechunk_p2p's tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytest_plugins = ["distributed.utils_test"]
+
+PLUGIN = "rechunk-p2p"
+
+
+def spill_files(local_directory: str) -> list[str]:
+    """Every file rechunk_p2p left under a worker's local directory."""
+    root = os.path.join(local_directory, "rechunk-p2p")
+    found = []
+    for dirpath, _, filenames in os.walk(root):
+        found.extend(os.path.join(dirpath, f) for f in filenames)
+    return found
+
+
+async def assert_clean(scheduler, *workers, timeout: float = 5.0) -> None:
+    """No run left on the scheduler or any worker, and no spill files on disk."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        active = dict(scheduler.plugins[PLUGIN].active) if PLUGIN in scheduler.plugins else {}
+        runs = {w.address: dict(w.plugins[PLUGIN].runs) for w in workers if PLUGIN in w.plugins}
+        files = {w.address: spill_files(w.local_directory) for w in workers}
+        if not active and not any(runs.values()) and not any(files.values()):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"Left behind: scheduler runs {active}, worker runs {runs}, "
+                                 f"files {files}")
+        await asyncio.sleep(0.05)
+
+
+def assert_clean_sync(client, timeout: float = 10.0) -> None:
+    """``assert_clean`` for a synchronous client of a (multi-process) cluster."""
+    import time
+
+    def worker_state(dask_worker):
+        plugin = dask_worker.plugins.get(PLUGIN)
+        return {
+            "runs": sorted(plugin.runs) if plugin else [],
+            "files": spill_files(dask_worker.local_directory),
+        }
+
+    def scheduler_state(dask_scheduler):
+        plugin = dask_scheduler.plugins.get(PLUGIN)
+        return sorted(plugin.active) if plugin else []
+
+    deadline = time.monotonic() + timeout
+    while True:
+        active = client.run_on_scheduler(scheduler_state)
+        workers = client.run(worker_state)
+        if not active and not any(s["runs"] or s["files"] for s in workers.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Left behind: scheduler {active}, workers {workers}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(params=["disk", "memory"])
+def storage(request):
+    """Run a test with each storage kind."""
+    import dask
+
+    with dask.config.set({"rechunk-p2p.storage": request.param}):
+        yield request.param
