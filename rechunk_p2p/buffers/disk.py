@@ -182,11 +182,11 @@ class DiskShardStore:
             return fd
         with self._create_lock:
             if self._fd is None:
-                created = _makedirs_tracked(self.directory)
+                created: list[str] = []
                 path = None
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
                 try:
-                    path = _make_store_directory(self.directory, _safe_name(self.name))
+                    path = _make_store_directory(self.directory, _safe_name(self.name), created)
                     fd = os.open(os.path.join(path, DATA_FILE), flags, 0o600)
                 except OSError:
                     _remove_blocking(None, path, created)
@@ -407,14 +407,25 @@ def _makedirs_tracked(path: str) -> list[str]:
     return created
 
 
-def _make_store_directory(parent: str, name: str) -> str:
-    """Create the store's directory ``parent/name`` (``parent/name-XXXX`` if taken)."""
-    path = os.path.join(parent, name)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        path = tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
-    return path
+def _make_store_directory(parent: str, name: str, created: list[str]) -> str:
+    """Create ``parent/name`` (``parent/name-XXXX`` if taken) and any missing parents.
+
+    Parents this call created are appended to ``created``. If a sibling store removes an
+    empty parent it had created between our two ``mkdir`` calls, the parent is made again.
+    """
+    for attempt in range(3):
+        created.extend(_makedirs_tracked(parent))
+        path = os.path.join(parent, name)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            return tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+            continue
+        return path
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _remove_blocking(fd: int | None, path: str | None, created_parents: list[str]) -> None:

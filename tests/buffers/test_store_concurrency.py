@@ -168,3 +168,19 @@ def test_disk_close_waits_for_writes_in_flight(monkeypatch, tmp_path):
         closing.result(10)
     assert not os.listdir(tmp_path)
     store.close_blocking()
+
+
+def test_disk_stores_sharing_a_missing_parent_come_and_go(tmp_path):
+    parent = tmp_path / "rechunk-p2p"  # created and removed by whichever store needs it
+
+    def lifecycle(t: int) -> int:
+        for k in range(25):
+            store = make_store("disk", dtype=np.dtype("i8"), directory=parent, name=f"s{t}-{k}")
+            store.write_blocking([make_shard(t, k)])
+            assert store.read_blocking(t)[0][0] == k
+            store.close_blocking()
+        return t
+
+    with ThreadPoolExecutor(6) as pool:
+        assert sorted(pool.map(lifecycle, range(6))) == list(range(6))
+    assert not parent.exists() or not os.listdir(parent)
