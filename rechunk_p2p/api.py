@@ -147,8 +147,8 @@ def normalize(
             chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks
         )
     except (ValueError, TypeError) as e:
-        raise RechunkInputError(
-            f"Cannot rechunk array {x.name} of shape {x.shape} to {chunks!r}: {e}"
+        raise _input_error(
+            f"Cannot rechunk array {x.name} of shape {x.shape} to {chunks!r}: {e}", e
         ) from e
     if len(new) != x.ndim:
         raise RechunkInputError(
@@ -174,13 +174,20 @@ def _fill_unspecified(x: da.Array, chunks: Any) -> Any:
         try:
             by_axis = {validate_axis(k, x.ndim): v for k, v in chunks.items()}
         except (ValueError, TypeError, IndexError) as e:
-            raise RechunkInputError(
-                f"Invalid chunks {dict(chunks)!r} for an array of {x.ndim} dimensions: {e}"
+            raise _input_error(
+                f"Invalid chunks {dict(chunks)!r} for an array of {x.ndim} dimensions: {e}", e
             ) from e
         return tuple(x.chunks[i] if by_axis.get(i) is None else by_axis[i] for i in range(x.ndim))
     if isinstance(chunks, (tuple, list)):
         return tuple(rc if lc is None else lc for lc, rc in zip(chunks, x.chunks))
     return chunks
+
+
+def _input_error(message: str, cause: Exception) -> RechunkInputError | RechunkTypeError:
+    """The error for bad chunks: a ``TypeError`` from dask stays one (as in dask's rechunk)."""
+    if isinstance(cause, TypeError):
+        return RechunkTypeError(message)
+    return RechunkInputError(message)
 
 
 def _storage_setting() -> str:
