@@ -60,8 +60,14 @@ def build_rechunk(x: da.Array, plan: RechunkPlan, token: str, storage: str) -> d
             dsk.update(_shuffle_tasks(x.name, token, spec))
         else:
             dsk.update(_direct_tasks(x.name, name, partial, plan.dtype))
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+    # An array without elements gets empty chunks that read no input: then x is no dependency.
+    reads_x = any(_reads(task, x.name) for task in dsk.values())
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x] if reads_x else [])
     return da.Array(graph, name, plan.new_chunks, meta=x._meta)
+
+
+def _reads(task: Task, input_name: str) -> bool:
+    return any(isinstance(k, tuple) and k[0] == input_name for k in task.dependencies)
 
 
 def _shuffle_tasks(input_name: str, token: str, spec: ShuffleSpec) -> dict[Any, Any]:
