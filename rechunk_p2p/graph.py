@@ -27,7 +27,9 @@ from rechunk_p2p.worker import tasks
 class BarrierTask(Task):
     """**Immutable.** The barrier of one sub-shuffle; carries its spec to the scheduler.
 
-    Fusion with neighbouring tasks is blocked: the scheduler finds the barrier by its key.
+    The spec is also passed to ``func`` as ``spec=`` (the barrier needs it when the graph is
+    computed without distributed workers). Fusion with neighbouring tasks is blocked: the
+    scheduler finds the barrier by its key.
     """
 
     spec: ShuffleSpec
@@ -35,7 +37,7 @@ class BarrierTask(Task):
 
     def __init__(self, key: Any, func: Any, /, *args: Any, spec: ShuffleSpec, **kwargs: Any):
         self.spec = spec
-        super().__init__(key, func, *args, **kwargs)
+        super().__init__(key, func, *args, spec=spec, **kwargs)
 
     @property
     def block_fusion(self) -> bool:
