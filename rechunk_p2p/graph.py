@@ -44,6 +44,20 @@ class BarrierTask(Task):
         return True
 
 
+class UnpackTask(Task):
+    """**Immutable.** The task that assembles one output chunk of a sub-shuffle.
+
+    Fusion with neighbouring tasks is blocked: the scheduler pins the task to the worker that
+    holds its shards by its key, which fusion (e.g. with a downstream ``getitem``) would rename.
+    """
+
+    __slots__ = ()
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+
 def build_rechunk(x: da.Array, plan: RechunkPlan, token: str, storage: str) -> da.Array:
     """The dask array that is ``x`` rechunked to ``plan.new_chunks`` through P2P shuffles."""
     name = OUTPUT_PREFIX + token
@@ -85,7 +99,7 @@ def _shuffle_tasks(input_name: str, token: str, spec: ShuffleSpec) -> dict[Any, 
     dsk[bkey] = BarrierTask(bkey, tasks.barrier, spec.id, *transfers, spec=spec)
     for flat in range(partial.n_outputs):
         key = spec.output_key(flat)
-        dsk[key] = Task(key, tasks.unpack, spec.id, flat, TaskRef(bkey), key)
+        dsk[key] = UnpackTask(key, tasks.unpack, spec.id, flat, TaskRef(bkey), key)
     return dsk
 
 
