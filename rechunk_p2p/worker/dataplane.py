@@ -68,6 +68,7 @@ class DataPlane:
         self.address: str | None = None
         self._listener: Any = None
         self._pool: ConnectionPool | None = None
+        self._inbound: set[Any] = set()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -105,6 +106,8 @@ class DataPlane:
     async def _stop(self) -> None:
         if self._listener is not None:
             self._listener.stop()
+        for comm in list(self._inbound):  # peers may still hold their connections open
+            comm.abort()
         if self._pool is not None:
             await self._pool.close()
 
@@ -120,6 +123,7 @@ class DataPlane:
         )
 
     async def _handle_comm(self, comm: Any) -> None:
+        self._inbound.add(comm)
         try:
             while True:
                 msg = await comm.read()
@@ -128,6 +132,7 @@ class DataPlane:
         except OSError:  # the sender closed its connection
             pass
         finally:
+            self._inbound.discard(comm)
             await comm.close()
 
     async def _dispatch(self, msg: dict) -> Any:
