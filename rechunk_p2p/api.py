@@ -81,8 +81,9 @@ def rechunk(
             x, chunks, threshold=threshold, block_size_limit=block_size_limit, balance=balance
         )
     new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
-    if new == x.chunks:
+    if _same_chunks(new, x.chunks):
         return x
+    _require_known_sizes(x)
     storage = _storage_setting()
     n_workers = _current_n_workers()
     the_plan = RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=n_workers)
@@ -116,6 +117,7 @@ def plan(
         Immutable; its repr is a readable summary.
     """
     new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
+    _require_known_sizes(x)
     if n_workers is None:
         n_workers = _current_n_workers()
     return RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=max(int(n_workers), 1))
@@ -126,18 +128,15 @@ def normalize(
 ) -> Chunks:
     """Normalise ``chunks`` for ``x`` exactly as dask's ``rechunk`` does, checking the input.
 
-    Raises ``TypeError`` for a non-dask array and ``ValueError`` for chunks that do not fit
-    or for unknown (NaN) chunk sizes, before anything is built.
+    Raises ``TypeError`` for a non-dask array and ``ValueError`` for chunks that do not fit,
+    before anything is built. Along axes of unknown (NaN) chunk sizes the chunks must stay as
+    they are (as in dask); :func:`rechunk` then returns ``x`` itself if nothing changes, and
+    otherwise asks for ``compute_chunk_sizes()``.
     """
     if not isinstance(x, da.Array):
         raise RechunkTypeError(
             f"rechunk_p2p.rechunk expects a dask array, got {type(x).__module__}."
             f"{type(x).__qualname__}; wrap it with dask.array.from_array(...) first"
-        )
-    if any(math.isnan(s) for s in x.shape):
-        raise RechunkInputError(
-            f"Array {x.name} has unknown (NaN) chunk sizes {x.chunks}; the P2P rechunk needs "
-            "every chunk's size. Call x.compute_chunk_sizes() first."
         )
     if x.ndim > 0 and all(s == 0 for s in x.shape):
         return x.chunks
@@ -158,14 +157,52 @@ def normalize(
     if balance:
         from dask.array.rechunk import _balance_chunksizes
 
-        new = tuple(_balance_chunksizes(c) for c in new)
+        new = tuple(c if _has_nan(c) else _balance_chunksizes(c) for c in new)
     for axis, (old_axis, new_axis) in enumerate(zip(x.chunks, new)):
-        if sum(old_axis) != sum(new_axis):
+        if _has_nan(old_axis) or _has_nan(new_axis):
+            if not _same_chunks((old_axis,), (new_axis,)):
+                raise RechunkInputError(
+                    "Chunks must be unchanging along dimensions with missing values: axis "
+                    f"{axis} of array {x.name} has chunks {_brief(old_axis)}, asked for "
+                    f"{_brief(new_axis)}. Call x.compute_chunk_sizes() first."
+                )
+        elif sum(old_axis) != sum(new_axis):
             raise RechunkInputError(
                 f"Chunks {new_axis} along axis {axis} sum to {sum(new_axis)}, "
                 f"but the array has length {sum(old_axis)} there"
             )
     return new
+
+
+def _has_nan(sizes: tuple[float, ...]) -> bool:
+    return any(math.isnan(s) for s in sizes)
+
+
+def _brief(sizes: tuple[float, ...]) -> str:
+    """Chunk sizes along one axis, shortened for an error message."""
+    if len(sizes) <= 6:
+        return str(tuple(sizes))
+    return f"({', '.join(map(str, sizes[:3]))}, ... {len(sizes)} chunks)"
+
+
+def _same_chunks(a: Chunks, b: Chunks) -> bool:
+    """Whether two chunk specifications are equal, NaN (unknown) sizes matching each other."""
+    return len(a) == len(b) and all(
+        len(ca) == len(cb)
+        and all(u == v or (math.isnan(u) and math.isnan(v)) for u, v in zip(ca, cb))
+        for ca, cb in zip(a, b)
+    )
+
+
+def _require_known_sizes(x: da.Array) -> None:
+    """The P2P engine's one deliberate difference from dask: it needs every chunk's size."""
+    axes = [axis for axis, sizes in enumerate(x.chunks) if _has_nan(sizes)]
+    if axes:
+        raise RechunkInputError(
+            f"Array {x.name} of shape {x.shape} has unknown (NaN) chunk sizes along axes "
+            f"{axes}; the P2P rechunk needs every chunk's size. Call x.compute_chunk_sizes() "
+            "first (or rechunk with method='tasks')."
+        )
 
 
 def _fill_unspecified(x: da.Array, chunks: Any) -> Any:
