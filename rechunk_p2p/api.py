@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import dask.array as da
+import numpy as np
 from dask.array.core import normalize_chunks
 from dask.array.utils import validate_axis
 from dask.base import tokenize
@@ -84,6 +85,7 @@ def rechunk(
     if _same_chunks(new, x.chunks):
         return x
     _require_known_sizes(x)
+    _require_numpy_chunks(x)
     storage = _storage_setting()
     n_workers = _current_n_workers()
     the_plan = RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=n_workers)
@@ -118,6 +120,7 @@ def plan(
     """
     new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
     _require_known_sizes(x)
+    _require_numpy_chunks(x)
     if n_workers is None:
         n_workers = _current_n_workers()
     return RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=max(int(n_workers), 1))
@@ -202,6 +205,17 @@ def _require_known_sizes(x: da.Array) -> None:
             f"Array {x.name} of shape {x.shape} has unknown (NaN) chunk sizes along axes "
             f"{axes}; the P2P rechunk needs every chunk's size. Call x.compute_chunk_sizes() "
             "first (or rechunk with method='tasks')."
+        )
+
+
+def _require_numpy_chunks(x: da.Array) -> None:
+    """Refuse chunk types the shuffle would silently turn into plain numpy arrays."""
+    if type(x._meta) is not np.ndarray:
+        raise RechunkTypeError(
+            f"Array {x.name} has chunks of type {type(x._meta).__module__}."
+            f"{type(x._meta).__qualname__}; the P2P rechunk moves plain numpy arrays only and "
+            "would lose what that type adds (a mask, sparsity, device memory). Rechunk it "
+            "with method='tasks'."
         )
 
 
