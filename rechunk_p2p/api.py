@@ -165,9 +165,8 @@ def normalize(
         if _has_nan(old_axis) or _has_nan(new_axis):
             if not _same_chunks((old_axis,), (new_axis,)):
                 raise RechunkInputError(
-                    "Chunks must be unchanging along dimensions with missing values: axis "
-                    f"{axis} of array {x.name} has chunks {_brief(old_axis)}, asked for "
-                    f"{_brief(new_axis)}. Call x.compute_chunk_sizes() first."
+                    f"Cannot rechunk axis {axis} of array {x.name} from {_brief(old_axis)} to "
+                    f"{_brief(new_axis)}: {_UNCHANGING}"
                 )
         elif sum(old_axis) != sum(new_axis):
             raise RechunkInputError(
@@ -175,6 +174,12 @@ def normalize(
                 f"but the array has length {sum(old_axis)} there"
             )
     return new
+
+
+_UNCHANGING = (  # dask's own message, word for word
+    "Chunks must be unchanging along dimensions with missing values.\n\n"
+    "A possible solution:\n  x.compute_chunk_sizes()"
+)
 
 
 def _has_nan(sizes: tuple[float, ...]) -> bool:
