@@ -63,9 +63,19 @@ def assert_clean_sync(client, timeout: float = 10.0) -> None:
 
 
 @pytest.fixture(params=["disk", "memory"])
-def storage(request):
-    """Run a test with each storage kind."""
-    import dask
+def storage(request, monkeypatch):
+    """Run a test with each storage kind.
 
+    gen_cluster resets ``dask.config`` to ``distributed.utils_test.original_config`` when the
+    cluster starts, so the setting goes there too (else it would silently be "auto").
+    """
+    import copy
+
+    import dask
+    import distributed.utils_test
+
+    original = copy.deepcopy(distributed.utils_test.original_config)
+    dask.config.update(original, {"rechunk-p2p": {"storage": request.param}})
+    monkeypatch.setattr(distributed.utils_test, "original_config", original)
     with dask.config.set({"rechunk-p2p.storage": request.param}):
         yield request.param
