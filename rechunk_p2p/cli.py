@@ -1,0 +1,362 @@
+"""The ``rechunk-p2p`` command line: rechunk a zarr store, show a plan, run the demo.
+
+Where it runs: client (the main thread of the ``rechunk-p2p`` process). It starts or
+connects to a cluster and calls :mod:`rechunk_p2p.integrations.zarr`; the demo's data
+generation and verification run as dask tasks on that cluster.
+
+Usage::
+
+    rechunk-p2p SOURCE TARGET --chunks time=-1,lat=90,lon=180 [options]
+    rechunk-p2p plan SOURCE --chunks time=-1,lat=90,lon=180
+    rechunk-p2p demo [--size 256MiB] [--workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
+
+from dask.utils import format_bytes, parse_bytes
+
+from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkP2PError
+
+PROG = "rechunk-p2p"
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+_NAME = re.compile(r"^[^\s=,]+$")
+_INT = re.compile(r"^-?\d+$")
+
+
+class UsageError(RechunkInputError):
+    """The command line itself is wrong (exit status 2)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rechunk-p2p`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        command, args = parse_args(argv)
+        return command(args)
+    except UsageError as e:
+        _fail(f"{e} (see {PROG} --help)")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return 130
+    except (RechunkP2PError, OSError) as e:
+        _fail(str(e) or type(e).__name__)
+        return EXIT_FAILED
+
+
+def parse_args(argv: list[str]) -> tuple[Any, argparse.Namespace]:
+    """Pick the sub-command from ``argv`` and parse the rest: ``(function, namespace)``.
+
+    Raises
+    ------
+    UsageError
+        Unknown options, missing arguments or a malformed chunk specification.
+    """
+    if argv and argv[0] in ("plan", "demo"):
+        name, rest = argv[0], argv[1:]
+    else:
+        name, rest = "run", argv
+    parser = _PARSERS[name]()
+    args = parser.parse_args(rest)
+    for option in ("chunks", "shards"):
+        if getattr(args, option, None) is not None:
+            setattr(args, option, parse_chunks(getattr(args, option), option=option))
+    if getattr(args, "scheduler", None) and args.workers is not None:
+        raise UsageError("--scheduler and --workers exclude each other")
+    return _COMMANDS[name], args
+
+
+def parse_chunks(text: str, *, option: str = "chunks") -> Any:
+    """Parse a ``--chunks`` value.
+
+    ``time=-1,lat=90`` (dimension names or axis numbers) gives a dict, ``365,90,180`` a
+    tuple, a single value (``auto``, ``-1``, ``100``, ``64MiB``) applies to every axis.
+
+    Examples
+    --------
+    >>> parse_chunks("time=-1,lat=90")
+    {'time': -1, 'lat': 90}
+    >>> parse_chunks("0=auto,2=10")
+    {0: 'auto', 2: 10}
+    >>> parse_chunks("365,90,180")
+    (365, 90, 180)
+    >>> parse_chunks("auto")
+    'auto'
+    """
+    items = [item.strip() for item in text.split(",")]
+    bad = f"malformed --{option} {text!r}"
+    if not text.strip() or any(not item for item in items):
+        raise UsageError(f"{bad}: expected e.g. time=-1,lat=90 or 365,90,180")
+    named = ["=" in item for item in items]
+    if any(named) and not all(named):
+        raise UsageError(f"{bad}: give every axis as NAME=SIZE, or none")
+    if not any(named):
+        values = tuple(_chunk_value(item, bad) for item in items)
+        return values if len(values) > 1 else _whole_spec(items[0], bad)
+    spec: dict[Any, Any] = {}
+    for item in items:
+        key_text, _, value_text = item.partition("=")
+        key = int(key_text) if _INT.match(key_text) else key_text
+        if not key_text or not _NAME.match(key_text) or key in spec:
+            raise UsageError(f"{bad}: bad or repeated name {key_text!r}")
+        spec[key] = _chunk_value(value_text, bad)
+    return spec
+
+
+def _chunk_value(text: str, bad: str) -> int | str:
+    """One axis: a positive size, ``-1`` (whole axis) or ``auto``."""
+    if text == "auto":
+        return text
+    if _INT.match(text) and (int(text) > 0 or int(text) == -1):
+        return int(text)
+    raise UsageError(f"{bad}: {text!r} is not a positive size, -1 or auto")
+
+
+def _whole_spec(text: str, bad: str) -> int | str:
+    """A single value for every axis; also a byte size, as dask's ``rechunk`` accepts."""
+    with contextlib.suppress(UsageError):
+        return _chunk_value(text, bad)
+    try:
+        parse_bytes(text)
+    except ValueError:
+        raise UsageError(f"{bad}: {text!r} is not a size, -1, auto or a byte size") from None
+    return text
+
+
+# --- argument parsers --------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line and raise :class:`UsageError`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Rechunk a zarr array or group into a new zarr store, peer to peer. "
+        f"Other commands: '{PROG} plan SOURCE --chunks ...' shows what a rechunk would do; "
+        f"'{PROG} demo' generates a dataset, rechunks it and checks the result.",
+    )
+    p.add_argument("source", help="zarr array or group (path or URL)")
+    p.add_argument("target", help="path or URL of the new zarr store")
+    _add_layout(p)
+    p.add_argument("--zarr-format", type=int, choices=(2, 3), help="default: as the source")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing target")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_cluster(p, scheduler=True)
+    p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    return p
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{PROG} plan", description="Show what a rechunk would do; run nothing.")
+    p.add_argument("source", help="zarr array or group (path or URL)")
+    _add_layout(p)
+    p.add_argument("--workers", type=_positive, help="workers to estimate for")
+    return p
+
+
+def _demo_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=f"{PROG} demo",
+        description="Generate a climate-like dataset (time, lat, lon) in a temporary zarr "
+        "store, rechunk it from one chunk per time step to time series on a local cluster, "
+        "verify every element and remove the data.",
+    )
+    p.add_argument("--size", default="256MiB", type=_bytes, help="data size (default 256MiB)")
+    _add_cluster(p, scheduler=False)
+    return p
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chunks",
+        required=True,
+        help="new chunks: time=-1,lat=90,lon=180 (dimension names or axis numbers), "
+        "365,90,180 for an array, or one value for every axis",
+    )
+    p.add_argument("--shards", help="shard shape of the target (zarr format 3), like --chunks")
+
+
+def _add_cluster(p: argparse.ArgumentParser, *, scheduler: bool) -> None:
+    g = p.add_argument_group("cluster")
+    if scheduler:
+        g.add_argument("--scheduler", metavar="ADDRESS", help="use this running cluster")
+        g.add_argument("--connect-timeout", default="10s", help="for --scheduler (default 10s)")
+    g.add_argument("--workers", type=_positive, help="local workers (default: by CPU count)")
+    g.add_argument("--threads-per-worker", type=_positive, help="default: by CPU count")
+    g.add_argument("--memory-limit", default="auto", type=_memory, help="per worker, e.g. 4GiB")
+    g.add_argument(
+        "--storage", choices=("disk", "memory", "auto"), help="where workers buffer shards"
+    )
+
+
+def _positive(text: str) -> int:
+    if not _INT.match(text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _bytes(text: str) -> int:
+    try:
+        return int(parse_bytes(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB") from None
+
+
+def _memory(text: str) -> str:
+    if text != "auto":
+        _bytes(text)
+    return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rechunk_p2p")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+# --- commands ----------------------------------------------------------------------------
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``rechunk-p2p SOURCE TARGET``: rechunk, then print a summary."""
+    from rechunk_p2p.integrations.zarr import check_zarr_rechunk, rechunk_zarr
+
+    options = {
+        "shards": args.shards,
+        "zarr_format": args.zarr_format,
+        "overwrite": args.overwrite,
+        "storage": args.storage,
+    }
+    check_zarr_rechunk(args.source, args.target, args.chunks, **options)  # before any cluster
+    with cluster(args) as client, _probe(client) as probe:
+        report = rechunk_zarr(
+            args.source, args.target, args.chunks, progress=not args.no_progress, **options
+        )
+    print(report)
+    print(_lag_line(probe))
+    return 0
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``rechunk-p2p plan SOURCE``: print the plan of every array; run nothing."""
+    from distributed.deploy.utils import nprocesses_nthreads
+
+    from rechunk_p2p.integrations.zarr import open_source, plan_zarr
+
+    n_workers = args.workers or nprocesses_nthreads()[0]
+    plans = plan_zarr(args.source, args.chunks, shards=args.shards, n_workers=n_workers)
+    root = open_source(args.source)
+    print(f"{args.source}: zarr format {root.metadata.zarr_format}, {len(plans)} array(s)")
+    for name, (layout, plan) in plans.items():
+        src = layout.source
+        dims = ", ".join(str(d) for d in layout.dims) if layout.dims else "no dimension names"
+        shards = f", shards {layout.shards}" if layout.shards else ""
+        head = f"{name or '(array)'} ({dims}) {src.dtype} {format_bytes(layout.nbytes)}"
+        if plan is None:
+            print(f"\n{head}: copied as it is (chunks {layout.chunks}{shards})")
+            continue
+        print(f"\n{head}: chunks {tuple(src.chunks)} -> {layout.chunks}{shards}")
+        print("  " + repr(plan).replace("\n", "\n  "))
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    """``rechunk-p2p demo``: generate, rechunk, verify, clean up."""
+    from rechunk_p2p.integrations import demo
+
+    with demo.workspace() as work, cluster(args) as client:
+        source = demo.generate(work, args.size)
+        print(f"generated {source.describe()}")
+        with _probe(client) as probe:
+            report = demo.rechunk(source, work, storage=args.storage)
+        demo.verify(source, report.target)
+        print(f"verified: all {source.n_elements:,} temperature values equal the source")
+    print(report)
+    print(_lag_line(probe))
+    return 0
+
+
+_PARSERS = {"run": _run_parser, "plan": _plan_parser, "demo": _demo_parser}
+_COMMANDS = {"run": run_command, "plan": plan_command, "demo": demo_command}
+
+
+# --- cluster, probe, output --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace) -> Iterator[Any]:
+    """A client for ``--scheduler``, else for a LocalCluster shaped by the options.
+
+    Raises
+    ------
+    ClusterError
+        The scheduler cannot be reached within ``--connect-timeout``.
+    """
+    import distributed
+
+    address = getattr(args, "scheduler", None)
+    if address:
+        try:
+            client = distributed.Client(address, timeout=args.connect_timeout)
+        except (OSError, ValueError, TypeError) as e:
+            raise ClusterError(f"cannot reach the scheduler at {address!r}: {e}") from None
+        with client:
+            yield client
+        return
+    with (
+        distributed.LocalCluster(
+            n_workers=args.workers,
+            threads_per_worker=args.threads_per_worker,
+            memory_limit=args.memory_limit,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as local,
+        distributed.Client(local) as client,
+    ):
+        yield client
+
+
+@contextlib.contextmanager
+def _probe(client: Any) -> Iterator[Any]:
+    """Event-loop lag while the block runs; ``None`` if it cannot be measured."""
+    from rechunk_p2p.integrations import event_loop_probe
+
+    with contextlib.ExitStack() as stack:
+        try:
+            probe = stack.enter_context(event_loop_probe(client))
+        except Exception as e:  # the lag is a nicety: never fail a rechunk over it
+            logging.getLogger(__name__).warning("cannot measure event-loop lag: %s", e)
+            probe = None
+        yield probe
+
+
+def _lag_line(probe: Any) -> str:
+    report = getattr(probe, "report", None)
+    if report is None:
+        return "  event-loop lag: not measured"
+    overall = report.overall
+    return (
+        f"  event-loop lag: p99 {overall.p99_ms:.1f} ms, max {overall.max_ms:.1f} ms "
+        f"(scheduler and {len(report.workers())} workers)"
+    )
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)

@@ -1,0 +1,362 @@
+"""Rechunk a zarr array or group into a new zarr store with the P2P engine.
+
+Where it runs: client (the caller's thread), which checks the input
+(:mod:`~rechunk_p2p.integrations.zarr_input`), creates the target's metadata and blocks until
+the cluster has finished. The tasks it builds run in worker task threads: they read source
+chunks, hand them to the engine, and write each target chunk (or shard) exactly once, on
+the worker that assembled it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+import dask.array as da
+import distributed
+import zarr
+from dask.utils import format_bytes, format_time
+
+from rechunk_p2p.errors import ClusterError
+from rechunk_p2p.integrations import cluster_statistics, plan_array, rechunk_array
+from rechunk_p2p.integrations.zarr_input import (
+    ArrayLayout,
+    ZarrRechunkJob,
+    check_zarr_rechunk,
+    dimension_names,
+    local_root,
+    open_source,
+    resolve_layouts,
+)
+
+__all__ = [
+    "ZarrRechunkJob",
+    "ZarrRechunkReport",
+    "check_zarr_rechunk",
+    "open_source",
+    "plan_zarr",
+    "rechunk_zarr",
+    "store_arrays",
+]
+
+
+@dataclass(frozen=True)
+class ZarrRechunkReport:
+    """**Immutable.** What :func:`rechunk_zarr` did.
+
+    Attributes
+    ----------
+    source, target : str
+        Where the data came from and went.
+    zarr_format : int
+        Format of the target.
+    arrays : tuple of ArrayLayout
+        Every array written, with its new layout.
+    seconds : float
+        Wall time from creating the target to the last chunk written.
+    statistics : dict
+        Change in :func:`rechunk_p2p.api.cluster_statistics` over the call
+        (``bytes_spilled``, ``bytes_sent``, ``bytes_received``, ``runs``).
+    """
+
+    source: str
+    target: str
+    zarr_format: int
+    arrays: tuple[ArrayLayout, ...]
+    seconds: float
+    statistics: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Uncompressed bytes of all arrays written."""
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def throughput(self) -> float:
+        """Uncompressed bytes per second."""
+        return self.nbytes / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def bytes_spilled(self) -> int:
+        """Bytes the engine buffered on the workers' disks during the call."""
+        return int(self.statistics.get("bytes_spilled", 0))
+
+    def __str__(self) -> str:
+        n_copied = sum(not a.rechunked for a in self.arrays)
+        lines = [
+            f"rechunked {self.source} -> {self.target} (zarr format {self.zarr_format})",
+            f"  arrays:     {len(self.arrays)} ({n_copied} copied in their own layout)",
+            f"  bytes:      {format_bytes(self.nbytes)} uncompressed",
+            f"  time:       {format_time(self.seconds)}",
+            f"  throughput: {format_bytes(int(self.throughput))}/s"
+            if self.seconds > 0
+            else "  throughput: n/a",
+            f"  sent between workers: {format_bytes(self.statistics.get('bytes_sent', 0))}",
+            f"  spilled to disk:      {format_bytes(self.bytes_spilled)}",
+        ]
+        return "\n".join(lines)
+
+
+def rechunk_zarr(
+    source: Any,
+    target: Any,
+    chunks: Any,
+    *,
+    shards: Any = None,
+    zarr_format: int | None = None,
+    array_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    storage: str | None = None,
+    progress: bool = True,
+) -> ZarrRechunkReport:
+    """Copy a zarr array or group to ``target`` with new chunks, rechunking peer to peer.
+
+    Parameters
+    ----------
+    source : str, os.PathLike, zarr.Array or zarr.Group
+        The data to rechunk (zarr format 2 or 3).
+    target : str, os.PathLike or zarr store
+        Where to write. It must not exist unless ``overwrite=True``.
+    chunks
+        For an array: anything :meth:`dask.array.Array.rechunk` accepts, and a dict may
+        also be keyed by dimension name. For a group: a dict keyed by dimension name
+        (``{"time": -1, "lat": 90}``) applied to every array with those dimensions, or by
+        array name; arrays that match no key are copied in their own layout. Dimension
+        names come from ``dimension_names`` (format 3) or ``_ARRAY_DIMENSIONS`` (format 2).
+        The resolved chunks must be regular (all equal but a smaller last one).
+    shards : optional
+        Shard shape of the rechunked arrays (format 3), given like ``chunks``; each
+        entry is a multiple of the chunk size (``-1``: the whole axis). ``None``: not
+        sharded.
+    zarr_format : {2, 3}, optional
+        Format of the target; by default that of the source. Converting between formats
+        uses zarr's default codecs for the target format.
+    array_options : dict, optional
+        Overrides for :func:`zarr.create_array` applied to every target array, from
+        ``compressors``, ``filters``, ``serializer``, ``fill_value``, ``order``,
+        ``chunk_key_encoding``. By default they are copied from the source.
+    overwrite : bool
+        Replace an existing zarr store at ``target``.
+    storage : {"disk", "memory", "auto"}, optional
+        Where workers buffer shards (``rechunk-p2p.storage``); by default the config.
+    progress : bool
+        Show distributed's progress bar while the cluster works.
+
+    Returns
+    -------
+    ZarrRechunkReport
+
+    Raises
+    ------
+    RechunkInputError
+        Missing source, existing target, unknown dimension or array names, chunks that
+        do not fit an array, bad options. Raised before any data moves.
+    ClusterError
+        The current cluster cannot reach an in-memory store.
+
+    Notes
+    -----
+    Runs on the cluster of the current client (:func:`distributed.get_client`); with no
+    client, on a :class:`distributed.LocalCluster` sized to the machine that lives for
+    the call. Each output chunk of the rechunk is one target chunk (or shard), written
+    by one task without locks. Attributes, dimension names, fill values, codecs, the
+    group hierarchy and consolidated metadata are kept. If the call fails, the target
+    it created is removed.
+    """
+    job = check_zarr_rechunk(
+        source,
+        target,
+        chunks,
+        shards=shards,
+        zarr_format=zarr_format,
+        array_options=array_options,
+        overwrite=overwrite,
+        storage=storage,
+    )
+    with _client(threads_only=job.in_memory) as client:
+        _check_reachable(client, job)
+        before = cluster_statistics(client)
+        start = time.perf_counter()
+        try:
+            job.dest.clear()
+            targets = _create_target(job)
+            _run(client, store_arrays(job.layouts, targets, storage=storage), progress=progress)
+            if _is_consolidated(job.root):
+                _consolidate(job.dest.location, job.zarr_format)
+        except BaseException:
+            job.dest.remove()
+            raise
+        seconds = time.perf_counter() - start
+        after = cluster_statistics(client)
+    return ZarrRechunkReport(
+        source=_describe(job.root),
+        target=str(job.dest),
+        zarr_format=job.zarr_format,
+        arrays=job.layouts,
+        seconds=seconds,
+        statistics={k: after.get(k, 0) - before.get(k, 0) for k in after},
+    )
+
+
+def plan_zarr(
+    source: Any, chunks: Any, *, shards: Any = None, n_workers: int | None = None
+) -> dict[str, tuple[ArrayLayout, Any]]:
+    """Plan :func:`rechunk_zarr` without running it.
+
+    Returns
+    -------
+    dict
+        Array name (``""`` for a bare array) -> ``(layout, plan)``, where ``plan`` is the
+        engine's :class:`RechunkPlan`, or ``None`` for an array copied in its own layout.
+    """
+    layouts = resolve_layouts(open_source(source), chunks, shards=shards)
+    return {
+        lay.name: (lay, plan_array(_read(lay), lay.write_chunks, n_workers=n_workers))
+        if lay.rechunked
+        else (lay, None)
+        for lay in layouts
+    }
+
+
+def _read(layout: ArrayLayout) -> da.Array:
+    """The source as a dask array: in the source's chunks if it is rechunked, else in
+    the chunks it is written in."""
+    chunks = layout.source.chunks if layout.rechunked else layout.write_chunks
+    return da.from_zarr(layout.source, chunks=chunks)
+
+
+def store_arrays(
+    layouts: tuple[ArrayLayout, ...], targets: list[zarr.Array], *, storage: str | None = None
+) -> list[da.Array]:
+    """Lazy arrays whose tasks read, rechunk and write every array; one task per target
+    chunk (or shard), each returning its target, never the data.
+
+    The rechunk's output chunks are the targets' write units, so every chunk (or shard)
+    is written whole, once, without locks. ``storage`` is set around graph construction.
+    """
+    settings = {"rechunk-p2p.storage": storage} if storage else {}
+    with dask.config.set(settings):
+        arrays = [
+            rechunk_array(_read(lay), lay.write_chunks) if lay.rechunked else _read(lay)
+            for lay in layouts
+        ]
+    stored = da.store(
+        arrays, targets, lock=False, compute=False, return_stored=True, load_stored=False
+    )
+    return list(stored) if isinstance(stored, tuple | list) else [stored]
+
+
+def _run(client: distributed.Client, stored: list[da.Array], *, progress: bool) -> None:
+    """Run the store tasks to the end on ``client``'s cluster; raise the first error."""
+    futures = distributed.futures_of(client.persist(stored))
+    try:
+        if progress:
+            distributed.progress(futures, notebook=False)
+        distributed.wait(futures)
+        for future in futures:
+            if future.status != "finished":
+                future.result()  # raises the task's error
+    finally:
+        client.cancel(futures)  # release the results, and stop the work after an error
+
+
+def _create_target(job: ZarrRechunkJob) -> list[zarr.Array]:
+    """Create the target's groups and empty arrays; return the arrays in layout order."""
+    root, layouts, location = job.root, job.layouts, job.dest.location
+    fmt, options = job.zarr_format, job.array_options
+    if isinstance(root, zarr.Array):
+        return [zarr.create_array(location, **_array_kwargs(layouts[0], fmt, options))]
+    group = zarr.open_group(location, mode="w-", zarr_format=fmt, attributes=dict(root.attrs))
+    subgroups = sorted(
+        name for name, node in root.members(max_depth=None) if isinstance(node, zarr.Group)
+    )
+    for name in subgroups:
+        group.create_group(name, attributes=dict(root[name].attrs))
+    return [group.create_array(lay.name, **_array_kwargs(lay, fmt, options)) for lay in layouts]
+
+
+def _array_kwargs(layout: ArrayLayout, fmt: int, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of ``create_array`` that reproduce the source in the new layout."""
+    src = layout.source
+    attrs = dict(src.attrs)
+    attrs.pop("_ARRAY_DIMENSIONS", None)
+    kwargs: dict[str, Any] = {
+        "shape": src.shape,
+        "dtype": src.dtype,
+        "chunks": layout.chunks,
+        "shards": layout.shards,
+    }
+    if src.fill_value is not None or fmt == 2:
+        kwargs["fill_value"] = src.fill_value
+    dims = dimension_names(src)
+    if fmt == 3:
+        kwargs["dimension_names"] = dims
+    elif dims is not None:
+        attrs["_ARRAY_DIMENSIONS"] = list(dims)
+    if src.metadata.zarr_format == fmt:
+        kwargs.update(_codecs(src))
+    kwargs["attributes"] = attrs
+    kwargs.update(options)
+    return kwargs
+
+
+def _codecs(src: zarr.Array) -> dict[str, Any]:
+    """Codecs, order and chunk key encoding of ``src``, to reuse in the same format."""
+    kwargs: dict[str, Any] = {"compressors": src.compressors, "filters": src.filters}
+    if src.metadata.zarr_format == 3:
+        kwargs["serializer"] = src.serializer
+        kwargs["chunk_key_encoding"] = src.metadata.chunk_key_encoding
+    else:
+        separator = src.metadata.dimension_separator
+        kwargs["chunk_key_encoding"] = {"name": "v2", "separator": separator}
+        kwargs["order"] = src.order  # format 3 keeps the order in the runtime config
+    return kwargs
+
+
+def _is_consolidated(root: zarr.Array | zarr.Group) -> bool:
+    return isinstance(root, zarr.Group) and root.metadata.consolidated_metadata is not None
+
+
+def _consolidate(location: Any, fmt: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
+        zarr.consolidate_metadata(location, zarr_format=fmt)
+
+
+def _describe(root: zarr.Array | zarr.Group) -> str:
+    return local_root(root.store, root.path) or repr(root)
+
+
+@contextlib.contextmanager
+def _client(*, threads_only: bool) -> Iterator[distributed.Client]:
+    """The current client, or a LocalCluster sized to the machine for the block."""
+    try:
+        client = distributed.get_client()
+    except ValueError:
+        client = None
+    if client is not None:
+        yield client
+        return
+    with (
+        distributed.LocalCluster(processes=not threads_only, dashboard_address=":0") as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        yield client
+
+
+def _check_reachable(client: distributed.Client, job: ZarrRechunkJob) -> None:
+    """In-memory stores live in this process: only in-process workers can use them."""
+    if not job.in_memory:
+        return
+    workers = client.scheduler_info().get("workers", {})
+    remote = [w for w in workers if not str(w).startswith("inproc://")]
+    if remote:
+        raise ClusterError(
+            "an in-memory zarr store cannot be shared with worker processes; write to a "
+            "path or shared store, or use a cluster with processes=False"
+        )
