@@ -11,6 +11,7 @@ from typing import Any
 
 from rechunk_p2p import config  # noqa: F401  (loads the configuration defaults)
 from rechunk_p2p.api import cluster_statistics, plan, rechunk, register
+from rechunk_p2p.diagnostics import LoopLagReport, measure_event_loops
 from rechunk_p2p.errors import (
     ClusterError,
     RechunkInputError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClusterError",
+    "LoopLagReport",
     "RechunkInputError",
     "RechunkP2PError",
     "RechunkPlan",
@@ -37,11 +39,21 @@ __all__ = [
     "cluster_statistics",
     "install",
     "installed",
+    "measure_event_loops",
     "plan",
     "rechunk",
+    "rechunk_zarr",
     "register",
     "uninstall",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "rechunk_zarr":  # imported lazily: zarr is only needed for zarr workflows
+        from rechunk_p2p.integrations.zarr import rechunk_zarr
+
+        return rechunk_zarr
+    raise AttributeError(f"module 'rechunk_p2p' has no attribute {name!r}")
 
 
 async def dask_setup(server: Any) -> None:
