@@ -22,7 +22,6 @@ import distributed
 import zarr
 from dask.utils import format_bytes, format_time
 
-from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.integrations import cluster_statistics, plan_array, rechunk_array
 from rechunk_p2p.integrations.zarr_input import (
     ArrayLayout,
@@ -155,9 +154,8 @@ def rechunk_zarr(
     ------
     RechunkInputError
         Missing source, existing target, unknown dimension or array names, chunks that
-        do not fit an array, bad options. Raised before any data moves.
-    ClusterError
-        The current cluster cannot reach an in-memory store.
+        do not fit an array, bad options, an in-memory target (workers would write to
+        copies of it). Raised before any data moves.
 
     Notes
     -----
@@ -178,8 +176,7 @@ def rechunk_zarr(
         overwrite=overwrite,
         storage=storage,
     )
-    with _client(threads_only=job.in_memory) as client:
-        _check_reachable(client, job)
+    with _client() as client:
         before = cluster_statistics(client)
         start = time.perf_counter()
         try:
@@ -333,7 +330,7 @@ def _describe(root: zarr.Array | zarr.Group) -> str:
 
 
 @contextlib.contextmanager
-def _client(*, threads_only: bool) -> Iterator[distributed.Client]:
+def _client() -> Iterator[distributed.Client]:
     """The current client, or a LocalCluster sized to the machine for the block."""
     try:
         client = distributed.get_client()
@@ -343,20 +340,7 @@ def _client(*, threads_only: bool) -> Iterator[distributed.Client]:
         yield client
         return
     with (
-        distributed.LocalCluster(processes=not threads_only, dashboard_address=":0") as cluster,
+        distributed.LocalCluster(dashboard_address=":0") as cluster,
         distributed.Client(cluster) as client,
     ):
         yield client
-
-
-def _check_reachable(client: distributed.Client, job: ZarrRechunkJob) -> None:
-    """In-memory stores live in this process: only in-process workers can use them."""
-    if not job.in_memory:
-        return
-    workers = client.scheduler_info().get("workers", {})
-    remote = [w for w in workers if not str(w).startswith("inproc://")]
-    if remote:
-        raise ClusterError(
-            "an in-memory zarr store cannot be shared with worker processes; write to a "
-            "path or shared store, or use a cluster with processes=False"
-        )

@@ -28,7 +28,6 @@ __all__ = [
     "ZarrRechunkJob",
     "check_zarr_rechunk",
     "dimension_names",
-    "in_memory",
     "local_root",
     "open_source",
     "resolve_layouts",
@@ -51,11 +50,6 @@ class ZarrRechunkJob:
     zarr_format: int
     array_options: Mapping[str, Any]
     dest: _Target
-
-    @property
-    def in_memory(self) -> bool:
-        """Source or target lives in this process's memory."""
-        return self.dest.in_memory or in_memory(self.root.store)
 
 
 def check_zarr_rechunk(
@@ -382,11 +376,6 @@ def _is_url(path: Any) -> bool:
     return isinstance(path, str) and "://" in path
 
 
-def in_memory(store: Any) -> bool:
-    """Whether ``store`` lives in this process's memory."""
-    return isinstance(store, zarr.storage.MemoryStore)
-
-
 def local_root(store: Any, path: str = "") -> str | None:
     """The directory of ``path`` inside a local store, else ``None``."""
     if isinstance(store, zarr.storage.LocalStore):
@@ -414,6 +403,11 @@ class _Target:
                     f"target {path!r} exists and is not a zarr store; refusing to delete it"
                 )
             location: Any = path
+        elif isinstance(target, zarr.storage.MemoryStore):
+            raise RechunkInputError(
+                "the target is an in-memory store: workers would write to copies of it; "
+                "write to a path or a store the workers share"
+            )
         elif isinstance(target, zarr.abc.store.Store) or _is_url(target):
             path, location, existed = None, target, _has_zarr_node(target)
             if target is root.store or target == root.store:
@@ -428,10 +422,6 @@ class _Target:
                 "(--overwrite) to replace it"
             )
         return cls(location, path, existed)
-
-    @property
-    def in_memory(self) -> bool:
-        return in_memory(self.location)
 
     def clear(self) -> None:
         """Delete what an overwritten target held (called after all checks passed)."""
