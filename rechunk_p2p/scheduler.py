@@ -22,6 +22,9 @@ from rechunk_p2p.worker.plugin import METADATA_KEY, PLUGIN_NAME, RechunkWorkerPl
 
 logger = logging.getLogger(__name__)
 
+# States of a barrier task whose transfers may still need a run
+_BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})
+
 
 @dataclass
 class SchedulerRun:
@@ -113,6 +116,12 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             raise StaleRunError(
                 f"The barrier task of rechunk {shuffle_id} is not on the scheduler (it was "
                 "released, or an optimisation renamed it); cannot start the rechunk"
+            )
+        if ts.state not in _BARRIER_PENDING:
+            # a transfer still running after the barrier erred or was released: a run created
+            # now would never be closed (until the barrier is forgotten)
+            raise StaleRunError(
+                f"The barrier task of rechunk {shuffle_id} is {ts.state}; not starting a run"
             )
         return spec
 
@@ -215,6 +224,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
     ) -> None:
         """A worker left: restart every run it took part in, with a new run id."""
+        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
+        dataplanes.pop(worker, None)
         for shuffle_id, run in list(self.active.items()):
             if worker in run.workers:
                 logger.warning(
