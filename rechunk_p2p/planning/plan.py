@@ -13,6 +13,7 @@ from functools import cached_property
 import numpy as np
 from dask.utils import format_bytes
 
+from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.planning.axes import axis_groups, axis_pieces
 from rechunk_p2p.planning.partials import Chunks, Partial
 
@@ -57,6 +58,20 @@ class RechunkPlan:
     old_chunks: Chunks
     new_chunks: Chunks
     n_workers: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        if not (len(self.shape) == len(self.old_chunks) == len(self.new_chunks)):
+            raise RechunkInputError(
+                f"Shape {self.shape}, old chunks and new chunks have different dimensions"
+            )
+        for axis, (n, old, new) in enumerate(zip(self.shape, self.old_chunks, self.new_chunks)):
+            if sum(old) != n or sum(new) != n:
+                raise RechunkInputError(
+                    f"Chunks along axis {axis} do not sum to its length {n}: {old} -> {new}"
+                )
+        if self.n_workers < 1:
+            raise RechunkInputError(f"A plan needs at least one worker, got {self.n_workers}")
 
     @cached_property
     def partials(self) -> tuple[Partial, ...]:
