@@ -1,0 +1,128 @@
+"""Sample worker memory (RSS) and local-directory disk use while a benchmark run goes on.
+
+Where it runs: a daemon thread in the benchmark (client) process. The workers are local
+processes, so ``psutil`` and ``os.scandir`` read them directly; nothing runs on the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ResourcePeaks:
+    """**Immutable.** Peaks seen during one run, per worker address.
+
+    Attributes
+    ----------
+    rss_bytes
+        Peak resident set size of each worker process.
+    disk_bytes
+        Peak bytes in each worker's local directory (spilled data, shuffle buffers).
+    samples
+        How many times memory was sampled.
+    """
+
+    rss_bytes: dict[str, int]
+    disk_bytes: dict[str, int]
+    samples: int
+
+
+def directory_bytes_blocking(path: str) -> int:
+    """Total size of the regular files under ``path`` (files vanishing meanwhile are skipped)."""
+    total = 0
+    stack = [path]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+    return total
+
+
+class ResourceSampler:
+    """**Thread-safe (guarded by `_lock`).** Samples RSS and disk use until stopped.
+
+    Parameters
+    ----------
+    pids
+        Worker address -> process id.
+    directories
+        Worker address -> local directory.
+    rss_interval, disk_interval
+        Seconds between memory samples and between directory scans.
+
+    Examples
+    --------
+    >>> with ResourceSampler(pids, dirs) as sampler:  # doctest: +SKIP
+    ...     run()
+    >>> sampler.peaks().rss_bytes  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        pids: Mapping[str, int],
+        directories: Mapping[str, str],
+        rss_interval: float = 0.1,
+        disk_interval: float = 0.5,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._procs = {a: psutil.Process(p) for a, p in pids.items()}
+        self._dirs = dict(directories)
+        self._rss = dict.fromkeys(pids, 0)
+        self._disk = dict.fromkeys(directories, 0)
+        self._samples = 0
+        self._rss_interval = rss_interval
+        self._disk_every = max(1, round(disk_interval / rss_interval))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run_blocking, name="bench-resources", daemon=True
+        )
+
+    def __enter__(self) -> ResourceSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample_blocking(disk=True)
+
+    def _run_blocking(self) -> None:
+        i = 0
+        while not self._stop.wait(self._rss_interval if i else 0):
+            self._sample_blocking(disk=i % self._disk_every == 0)
+            i += 1
+
+    def _sample_blocking(self, disk: bool) -> None:
+        rss = {}
+        for addr, proc in self._procs.items():
+            try:
+                rss[addr] = proc.memory_info().rss
+            except psutil.Error:
+                continue
+        sizes = {a: directory_bytes_blocking(d) for a, d in self._dirs.items()} if disk else {}
+        with self._lock:
+            self._samples += 1
+            for a, v in rss.items():
+                self._rss[a] = max(self._rss[a], v)
+            for a, v in sizes.items():
+                self._disk[a] = max(self._disk[a], v)
+
+    def peaks(self) -> ResourcePeaks:
+        """The peaks so far."""
+        with self._lock:
+            return ResourcePeaks(dict(self._rss), dict(self._disk), self._samples)

@@ -1,0 +1,77 @@
+"""Event-loop responsiveness of rechunk_p2p on a real 2-process cluster, with checked results.
+
+Where it runs: the test process (client); the data is made, rechunked and checked on the
+workers. Each test rechunks one workload with ``rechunk_p2p.rechunk`` inside
+``measure_event_loops`` and asserts the loop-lag bounds on every worker and the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+from integration.lag_bounds import LagBounds, violations
+from integration.workloads import (
+    Workload,
+    all_workloads,
+    many_small,
+    rows_to_columns,
+    workload_graph,
+)
+from rechunk_p2p.diagnostics import measure_event_loops
+
+RESULTS = Path(__file__).parent / "results"
+WORKLOADS = {w.name: w for w in all_workloads()}
+_SCALE = max(1.0, max(w.nbytes for w in WORKLOADS.values()) / many_small(640 * 2**20).nbytes)
+#: Longest a workload may take before the test fails (rather than hangs).
+TIMEOUT_S = 480 * _SCALE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_up(client: Client) -> None:
+    """One small rechunk first: imports and plugin registration happen outside the windows."""
+    w = rows_to_columns(8 * 2**20)
+    _, ok = workload_graph("rechunk_p2p", w)
+    assert client.compute(ok).result(timeout=120)
+
+
+def _workers_hold_nothing(client: Client) -> dict[str, int]:
+    def held(dask_worker=None) -> int:
+        return len(dask_worker.data) + len(dask_worker.state.tasks)
+
+    return client.run(held)
+
+
+@pytest.mark.timeout(int(TIMEOUT_S + 120))
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_loop_stays_responsive(client: Client, name: str) -> None:
+    w: Workload = WORKLOADS[name]
+    _, ok = workload_graph("rechunk_p2p", w)
+    t0 = time.perf_counter()
+    with measure_event_loops(client) as probe:
+        result = client.compute(ok).result(timeout=TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    report = probe.report
+    print(f"\n{w.summary()}\nwall {wall:.1f} s\n{report}")
+    _save(name, w, wall, report)
+    assert result, f"{name}: some output chunk does not hold the values it should"
+    bounds = LagBounds(max_ms=w.max_ms)
+    assert not violations(report, bounds), "\n".join(violations(report, bounds))
+    # Nothing left on the cluster once the result is released.
+    del ok
+    deadline = time.monotonic() + 10
+    while any(_workers_hold_nothing(client).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_workers_hold_nothing(client).values())
+
+
+def _save(name: str, w: Workload, wall: float, report) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    out = {"workload": w.summary(), "wall_s": wall, "report": report.to_dict()}
+    path = RESULTS / f"suite-{name}-{os.getpid()}.json"
+    path.write_text(json.dumps(out))

@@ -1,0 +1,234 @@
+"""Workloads for the integration suite and the benchmark: data made on the workers, checked there.
+
+Where it runs: the client builds graphs here; ``fill_block_blocking`` and
+``check_block_blocking`` run in worker task threads. No data ever comes back to the
+client except one boolean per output chunk.
+
+Every element's value is a function of its global index (an integer hash below 2**24,
+exact in float32 and float64), so each output chunk is checked against the values it
+must hold without a reference computation: a misplaced, missing or duplicated element
+changes some value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import dask.array as da
+import numpy as np
+from dask.utils import format_bytes, parse_bytes
+
+#: Implementations compared by the benchmark; the suite asserts bounds on the first one.
+IMPLEMENTATIONS = ("rechunk_p2p", "dask-p2p", "dask-tasks")
+
+_HASH_MUL = np.uint64(2654435761)
+_HASH_ADD = np.uint64(12345)
+_HASH_MASK = np.uint64((1 << 24) - 1)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """**Immutable.** One rechunk to run: shape, dtype, chunks before and after.
+
+    Attributes
+    ----------
+    name
+        Short identifier (``"2d-rows-to-cols"``, ...).
+    description
+        One line for reports.
+    shape, dtype
+        The array.
+    source_chunks, target_chunks
+        Block shapes (regular chunking; the last block along an axis may be smaller).
+    max_ms
+        Bound on the worst loop lag asserted for ``rechunk_p2p``.
+    """
+
+    name: str
+    description: str
+    shape: tuple[int, ...]
+    dtype: str
+    source_chunks: tuple[int, ...]
+    target_chunks: tuple[int, ...]
+    max_ms: float = 100.0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def n_source_chunks(self) -> int:
+        return math.prod(
+            math.ceil(s / c) for s, c in zip(self.shape, self.source_chunks, strict=True)
+        )
+
+    @property
+    def n_target_chunks(self) -> int:
+        return math.prod(
+            math.ceil(s / c) for s, c in zip(self.shape, self.target_chunks, strict=True)
+        )
+
+    def summary(self) -> str:
+        item = np.dtype(self.dtype).itemsize
+        src = format_bytes(math.prod(self.source_chunks) * item)
+        dst = format_bytes(math.prod(self.target_chunks) * item)
+        return (
+            f"{self.name}: {self.dtype} {self.shape} = {format_bytes(self.nbytes)}, "
+            f"{self.n_source_chunks} chunks {self.source_chunks} ({src}) -> "
+            f"{self.n_target_chunks} chunks {self.target_chunks} ({dst})"
+        )
+
+
+# -- sizes --------------------------------------------------------------------------------
+
+#: Default bytes per workload (about two minutes for the suite on two busy cores).
+DEFAULT_BYTES = {"2d": 192 * 2**20, "3d": 192 * 2**20, "many": 640 * 2**20}
+
+
+def size_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:
+    """Bytes per workload: ``RECHUNK_P2P_BENCH_SIZE`` (e.g. ``1.5GiB``) sets every workload,
+    else ``RECHUNK_P2P_BENCH_SCALE`` (a float) multiplies the defaults."""
+    env = os.environ if environ is None else environ
+    if env.get("RECHUNK_P2P_BENCH_SIZE"):
+        n = int(parse_bytes(env["RECHUNK_P2P_BENCH_SIZE"]))
+        return dict.fromkeys(DEFAULT_BYTES, n)
+    scale = float(env.get("RECHUNK_P2P_BENCH_SCALE", "1") or 1)
+    return {k: int(v * scale) for k, v in DEFAULT_BYTES.items()}
+
+
+def rows_to_columns(nbytes: int) -> Workload:
+    """(a) 2-D float64, row blocks -> column blocks (about 16 MiB chunks, at least 8 per axis)."""
+    blocks = max(8, round(nbytes / (16 * 2**20)))
+    n = max(blocks, round(math.sqrt(nbytes / 8) / blocks) * blocks)
+    return Workload(
+        "2d-rows-to-cols",
+        "2-D float64, row blocks -> column blocks",
+        (n, n),
+        "float64",
+        (n // blocks, n),
+        (n, n // blocks),
+    )
+
+
+def time_to_space(nbytes: int) -> Workload:
+    """(b) 3-D float32 (time, y, x): one chunk per step -> full time, 32 x 32 tiles."""
+    ny, nx = 512, 512
+    nt = max(8, round(nbytes / (4 * ny * nx)))
+    return Workload(
+        "3d-time-to-space",
+        "3-D float32 (time, y, x), one chunk per time step -> full time, small y/x tiles",
+        (nt, ny, nx),
+        "float32",
+        (1, ny, nx),
+        (nt, 32, 32),
+    )
+
+
+def many_small(nbytes: int) -> Workload:
+    """(c) 2-D float64 in 64 KiB chunks (32 x 256 -> 256 x 32): tens of thousands of chunks."""
+    rows = 2048
+    cols = max(256, round(nbytes / (8 * rows) / 256) * 256)
+    return Workload(
+        "many-64KiB-chunks",
+        "2-D float64, tens of thousands of 64 KiB chunks, 32 x 256 -> 256 x 32",
+        (rows, cols),
+        "float64",
+        (32, 256),
+        (256, 32),
+        max_ms=200.0,
+    )
+
+
+def all_workloads(sizes: dict[str, int] | None = None) -> list[Workload]:
+    """The three workloads at the sizes from the environment (or ``sizes``)."""
+    sizes = size_from_env() if sizes is None else sizes
+    return [rows_to_columns(sizes["2d"]), time_to_space(sizes["3d"]), many_small(sizes["many"])]
+
+
+# -- data made and checked on the workers -------------------------------------------------
+
+
+def expected_block(
+    shape: tuple[int, ...], location: list[tuple[int, int]], dtype: str
+) -> np.ndarray:
+    """The values the block at ``location`` (``[(start, stop), ...]``) of an array holds."""
+    index = np.zeros([hi - lo for lo, hi in location], dtype=np.uint64)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        lo, hi = location[axis]
+        ax = np.arange(lo, hi, dtype=np.uint64) * np.uint64(stride)
+        index += ax.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+        stride *= shape[axis]
+    return ((index * _HASH_MUL + _HASH_ADD) & _HASH_MASK).astype(dtype)
+
+
+def fill_block_blocking(
+    shape: tuple[int, ...], dtype: str, block_info: dict | None = None
+) -> np.ndarray:
+    """Task body: make one source block."""
+    return expected_block(shape, block_info[None]["array-location"], dtype)
+
+
+def check_block_blocking(
+    block: np.ndarray, shape: tuple[int, ...], dtype: str, block_info: dict | None = None
+) -> np.ndarray:
+    """Task body: ``True`` (as a 1-element block) if ``block`` holds exactly its values."""
+    info = block_info[0]
+    want = expected_block(shape, info["array-location"], dtype)
+    ok = block.dtype == want.dtype and block.shape == want.shape and np.array_equal(block, want)
+    return np.full((1,) * block.ndim, ok)
+
+
+def source_array(w: Workload) -> da.Array:
+    """The workload's input, generated on the workers."""
+    chunks = da.core.normalize_chunks(w.source_chunks, w.shape)
+    return da.map_blocks(
+        fill_block_blocking,
+        w.shape,
+        w.dtype,
+        dtype=w.dtype,
+        chunks=chunks,
+        name=f"source-{w.name}-{'x'.join(map(str, w.shape))}",
+    )
+
+
+def checked(y: da.Array, w: Workload) -> da.Array:
+    """A 0-d boolean array: every output chunk of ``y`` holds exactly the right values."""
+    flags = y.map_blocks(check_block_blocking, w.shape, w.dtype, dtype=bool, chunks=(1,) * y.ndim)
+    return flags.all()
+
+
+# -- implementations ----------------------------------------------------------------------
+
+
+def _engine() -> Callable[[da.Array, tuple[int, ...]], da.Array]:
+    standin = os.environ.get("RECHUNK_P2P_STANDIN")
+    if standin:
+        # Development aid only: exercise the suite against one of dask's methods.
+        return lambda x, chunks: x.rechunk(chunks, method=standin)
+    import rechunk_p2p
+
+    return rechunk_p2p.rechunk
+
+
+def rechunk_with(implementation: str, x: da.Array, chunks: tuple[int, ...]) -> da.Array:
+    """Rechunk ``x`` with one of :data:`IMPLEMENTATIONS`."""
+    if implementation == "rechunk_p2p":
+        return _engine()(x, chunks)
+    if implementation == "dask-p2p":
+        return x.rechunk(chunks, method="p2p")
+    if implementation == "dask-tasks":
+        return x.rechunk(chunks, method="tasks")
+    raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
+
+
+def workload_graph(implementation: str, w: Workload) -> tuple[da.Array, da.Array]:
+    """``(rechunked array, its 0-d check)`` for one workload and implementation."""
+    y = rechunk_with(implementation, source_array(w), w.target_chunks)
+    want = da.core.normalize_chunks(w.target_chunks, w.shape)
+    if y.chunks != want:
+        raise AssertionError(f"{implementation} produced chunks {y.chunks}, expected {want}")
+    return y, checked(y, w)
