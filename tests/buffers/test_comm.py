@@ -1,0 +1,165 @@
+"""The send side: batching, concurrency, back-pressure, retries, failure and close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from distributed.utils_test import gen_test
+
+from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
+from rechunk_p2p.buffers.limiter import ByteLimiter
+
+NO_RETRY_DELAY = RetryPolicy(count=3, delay_min=0.001, delay_max=0.002)
+
+
+def shard(out: int, inp: int, nbytes: int = 100) -> tuple[int, int, np.ndarray]:
+    return (out, inp, np.full(nbytes, inp % 256, dtype="u1"))
+
+
+class Recorder:
+    """A fake destination that records batches, optionally failing or blocking."""
+
+    def __init__(self, fail_times: int = 0, error: type[Exception] = OSError) -> None:
+        self.batches: list[tuple[str, list]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.fail_times = fail_times
+        self.error = error
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self, address: str, batch: list) -> None:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await self.release.wait()
+            await asyncio.sleep(0)
+            if self.fail_times:
+                self.fail_times -= 1
+                raise self.error("injected")
+            self.batches.append((address, batch))
+        finally:
+            self.in_flight -= 1
+
+
+def make(send, limit=10_000, concurrency=2, message_bytes=250, retry=NO_RETRY_DELAY):
+    limiter = ByteLimiter(limit)
+    return CommBuffer(send, limiter, asyncio.Semaphore(concurrency), message_bytes, retry), limiter
+
+
+@gen_test()
+async def test_batches_respect_message_size_and_deliver_everything():
+    send = Recorder()
+    comm, limiter = make(send)
+    await comm.put({"a": [shard(0, i) for i in range(10)], "b": [shard(1, i) for i in range(3)]})
+    await comm.flush()
+    delivered = {(addr, s[1]) for addr, batch in send.batches for s in batch}
+    assert delivered == {("a", i) for i in range(10)} | {("b", i) for i in range(3)}
+    assert all(sum(s[2].nbytes for s in batch) <= 250 for _, batch in send.batches)
+    assert limiter.used == 0
+    stats = comm.statistics()
+    assert stats.bytes_sent == 1300 and stats.bytes_queued == 0
+    assert stats.messages == len(send.batches)
+
+
+@gen_test()
+async def test_oversized_shard_is_sent_alone():
+    send = Recorder()
+    comm, limiter = make(send, limit=500, message_bytes=250)
+    await comm.put({"a": [shard(0, 0, 1000), shard(0, 1, 10)]})
+    await comm.flush()
+    assert [len(b) for _, b in send.batches] == [1, 1]
+    assert limiter.used == 0
+
+
+@gen_test()
+async def test_concurrency_is_bounded():
+    send = Recorder()
+    send.release.clear()
+    comm, _ = make(send, concurrency=2)
+    await comm.put({addr: [shard(0, 0)] for addr in "abcdef"})
+    await asyncio.sleep(0.05)
+    assert send.in_flight == 2
+    send.release.set()
+    await comm.flush()
+    assert send.max_in_flight == 2
+    assert len(send.batches) == 6
+
+
+@gen_test()
+async def test_put_waits_while_buffer_is_full():
+    send = Recorder()
+    send.release.clear()
+    comm, limiter = make(send, limit=300, message_bytes=100)
+    await comm.put({"a": [shard(0, i) for i in range(3)]})
+    assert limiter.used == 300
+    blocked = asyncio.ensure_future(comm.put({"a": [shard(0, 3)]}))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    send.release.set()
+    await asyncio.wait_for(blocked, 5)
+    await comm.flush()
+    assert limiter.statistics().waits >= 1
+    assert limiter.used == 0
+
+
+@gen_test()
+async def test_transient_errors_are_retried():
+    send = Recorder(fail_times=2)
+    comm, _ = make(send)
+    await comm.put({"a": [shard(0, 0)]})
+    await comm.flush()
+    assert len(send.batches) == 1
+    assert comm.statistics().retries == 2
+
+
+@gen_test()
+async def test_too_many_errors_fail_flush_and_later_puts():
+    send = Recorder(fail_times=100)
+    comm, limiter = make(send)
+    await comm.put({"a": [shard(0, i) for i in range(5)]})
+    with pytest.raises(OSError, match="injected"):
+        await comm.flush()
+    with pytest.raises(OSError, match="injected"):
+        await comm.put({"a": [shard(0, 9)]})
+    assert limiter.used == 0
+
+
+@gen_test()
+async def test_permanent_errors_are_not_retried():
+    send = Recorder(fail_times=1, error=ValueError)
+    comm, _ = make(send)
+    await comm.put({"a": [shard(0, 0)]})
+    with pytest.raises(ValueError, match="injected"):
+        await comm.flush()
+    assert comm.statistics().retries == 0
+
+
+@gen_test()
+async def test_close_drops_queue_and_releases_bytes():
+    send = Recorder()
+    send.release.clear()
+    comm, limiter = make(send, concurrency=1, message_bytes=100)
+    await comm.put({"a": [shard(0, i) for i in range(5)]})
+    assert limiter.used == 500
+    await comm.close()
+    assert limiter.used == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        await comm.put({"a": [shard(0, 7)]})
+
+
+@gen_test()
+async def test_limiter_admits_oversized_request_when_empty():
+    limiter = ByteLimiter(10)
+    await asyncio.wait_for(limiter.acquire(100), 1)
+    assert limiter.used == 100
+    waiter = asyncio.ensure_future(limiter.acquire(1))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    await limiter.release(100)
+    await asyncio.wait_for(waiter, 1)
+    assert limiter.statistics().max_used == 100
+    with pytest.raises(RuntimeError):
+        await limiter.release(5)
