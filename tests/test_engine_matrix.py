@@ -1,0 +1,329 @@
+"""The engine's matrix on in-process clusters (gen_cluster).
+
+Shapes from 0-d to 5-D with regular, irregular and zero-size chunks, every dtype family, every
+chunk specification form, 1 to 3 workers, disk and memory storage; rechunks inside bigger
+graphs, concurrent and persisted rechunks, culling; and cleanup after failures and
+cancellation. Results are compared with numpy (values and dtype) and chunks with dask's own
+``method="tasks"``; every test ends with :func:`tests.conftest.assert_clean`.
+
+Several cases share one cluster where they need the same one, to keep the run short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import wait
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from tests.conftest import assert_clean, spill_files
+from tests.engine_helpers import (
+    ONE,
+    PLUGIN,
+    THREE,
+    TWO,
+    assert_storage_used,
+    check_graph,
+    check_many,
+    check_rechunk,
+    check_result,
+    sample_arrays,
+)
+
+# (shape, input chunks, output chunks)
+SHAPE_CASES = [
+    ((30,), 7, 4),
+    ((30,), ((3, 10, 2, 15),), ((15, 15),)),
+    ((30,), ((3, 10, 2, 15),), ((1, 8, 8, 13),)),
+    ((7,), ((3, 0, 4),), ((2, 0, 5),)),
+    ((7,), ((3, 0, 4),), (7,)),
+    ((7,), ((7,),), ((0, 3, 0, 4, 0),)),
+    ((5,), ((0, 5, 0),), ((2, 3),)),
+    ((4, 0), ((2, 2), (0,)), ((1, 3), (0,))),
+    ((4, 0, 3), (2, 0, 1), (1, 0, 3)),
+    ((0, 5), ((0,), (2, 3)), ((0,), (5,))),
+    ((10, 12), (2, 12), (10, 3)),
+    ((10, 12), ((1, 4, 5), (7, 5)), ((5, 5), (2, 2, 8))),
+    ((6, 4), ((3, 0, 3), (2, 2)), ((2, 0, 4), (1, 3))),
+    ((6, 5, 4), (1, 5, 4), (6, 1, 2)),
+    ((4, 3, 5, 2), (1, 3, 5, 1), (4, 1, 2, 2)),
+    ((3, 4, 2, 3, 2), (1, 4, 2, 3, 1), (3, 1, 1, 3, 2)),
+    ((3, 4, 2, 3, 2), (1, 1, 2, 1, 2), (3, 4, 1, 3, 1)),
+]
+
+
+async def _shapes(c, s, workers, storage):
+    cases = []
+    for shape, old, new in SHAPE_CASES:
+        expected = np.arange(int(np.prod(shape)), dtype="i8").reshape(shape)
+        x = da.from_array(expected, chunks=old)
+        cases.append((x, expected, new, {}))
+    await check_many(c, s, cases)  # all at once
+    await assert_clean(s, *workers)
+    for x, expected, new, _ in cases[::3]:  # and some one by one
+        await check_rechunk(c, s, x, expected, new)
+    await assert_clean(s, *workers)
+    assert_storage_used(storage, *workers)
+
+
+@gen_cluster(client=True, nthreads=ONE, allow_unclosed=False)
+async def test_shapes_one_worker(c, s, a, storage):
+    await rechunk_p2p.register(c)
+    await _shapes(c, s, [a], storage)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_shapes_two_workers(c, s, a, b, storage):
+    await rechunk_p2p.register(c)
+    await _shapes(c, s, [a, b], storage)
+
+
+@gen_cluster(client=True, nthreads=THREE, allow_unclosed=False)
+async def test_shapes_three_workers(c, s, a, b, w3, storage):
+    await rechunk_p2p.register(c)
+    await _shapes(c, s, [a, b, w3], storage)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_dtypes(c, s, a, b, storage):
+    await rechunk_p2p.register(c)
+    cases = []
+    for expected in sample_arrays().values():
+        cases.append((da.from_array(expected, chunks=(1, 8)), expected, (6, 2), {}))
+        x = da.from_array(expected, chunks=((2, 4), (3, 1, 4)))
+        cases.append((x, expected, ((1, 5), (5, 3)), {}))
+    await check_many(c, s, cases)
+    await assert_clean(s, a, b)
+    assert_storage_used(storage, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_zero_dimensional_and_empty_arrays_are_returned_unchanged(c, s, a, b):
+    await rechunk_p2p.register(c)
+    for expected in (np.array(3.5), np.array("text"), np.array(None, dtype=object)):
+        x = da.from_array(expected)
+        for chunks in ((), "auto", {}, -1):
+            y = await check_rechunk(c, s, x, expected, chunks)
+            assert y is x
+    for shape, old, new in [((0,), (0,), (5,)), ((0, 0), (0, 0), (2, 2))]:
+        expected = np.zeros(shape, dtype="f4")
+        x = da.from_array(expected, chunks=old)
+        assert await check_rechunk(c, s, x, expected, new) is x
+    assert s.plugins[PLUGIN].runs_created == 0
+    await assert_clean(s, a, b)
+
+
+# (chunks, keyword arguments) on an array of shape (12, 10, 8) with chunks (1, 10, 8)
+SPEC_CASES = [
+    ((6, 5, 4), {}),
+    ([6, 5, 4], {}),
+    ({0: 6}, {}),
+    ({0: -1, 1: 3}, {}),
+    ({0: None, 1: 3}, {}),
+    ({-1: 3, 0: 4}, {}),
+    (-1, {}),
+    (4, {}),
+    ((None, 2, None), {}),
+    ((-1, "auto", None), {"block_size_limit": 2000}),
+    ("auto", {"block_size_limit": 4000}),
+    ({0: "auto", 2: 2}, {"block_size_limit": 1000}),
+    ("auto", {}),
+    (((5, 7), (3, 3, 4), (8,)), {}),
+    (((12,), (10,), (1,) * 8), {}),
+    ((5, 3, 8), {"balance": True}),
+    ((7, 4, 3), {"balance": True}),
+    ((6, 5, 4), {"threshold": 2}),
+]
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_chunk_specification_forms(c, s, a, b):
+    await rechunk_p2p.register(c)
+    expected = np.random.default_rng(0).random((12, 10, 8))
+    x = da.from_array(expected, chunks=(1, 10, 8))
+    cases = [(x, expected, chunks, kwargs) for chunks, kwargs in SPEC_CASES]
+    for y, (chunks, kwargs) in zip(await check_many(c, s, cases), SPEC_CASES):
+        assert y is not x, (chunks, kwargs)
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_same_chunks_return_the_input_unchanged(c, s, a, b):
+    await rechunk_p2p.register(c)
+    x = da.from_array(np.arange(120).reshape(12, 10), chunks=((5, 7), (3, 3, 4)))
+    same = [
+        x.chunks,
+        ((5, 7), (3, 3, 4)),
+        {0: (5, 7)},
+        {1: None},
+        (None, None),
+        {},
+        (None, (3, 3, 4)),
+    ]
+    for chunks in same:
+        assert rechunk_p2p.rechunk(x, chunks) is x, chunks
+    regular = da.ones((12, 10), chunks=(4, 5))
+    for chunks in [(4, 5), {0: 4}, ((4, 4, 4), 5), {1: 5}]:
+        assert rechunk_p2p.rechunk(regular, chunks) is regular, chunks
+    assert not s.tasks
+    assert s.plugins[PLUGIN].runs_created == 0
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_chained_inside_a_bigger_graph(c, s, a, b, storage):
+    await rechunk_p2p.register(c)
+    arr = np.random.default_rng(1).random((24, 18))
+    x = da.from_array(arr, chunks=(2, 18))
+    y = rechunk_p2p.rechunk(x, (24, 3))
+    z = y.map_blocks(np.sqrt) * 2 + x.rechunk((24, 3), method="tasks")
+    w = rechunk_p2p.rechunk(z, (5, 9))
+    check_graph(z, w, (5, 9))
+    total, column_sums = await c.gather(c.compute([w.sum(), w.sum(axis=0)]))
+    want = np.sqrt(arr) * 2 + arr
+    np.testing.assert_allclose(total, want.sum())
+    np.testing.assert_allclose(column_sums, want.sum(axis=0))
+    # a rechunk of a rechunk, then a transpose and a matrix product
+    v = rechunk_p2p.rechunk(rechunk_p2p.rechunk(x, (3, 6)), (8, 4))
+    np.testing.assert_allclose(await c.compute(v.T @ v), arr.T @ arr)
+    await assert_clean(s, a, b)
+    assert_storage_used(storage, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_concurrent_rechunks_of_one_input(c, s, a, b, storage):
+    await rechunk_p2p.register(c)
+    arr = np.arange(24 * 18).reshape(24, 18)
+    x = da.from_array(arr, chunks=(2, 18))
+    y1 = rechunk_p2p.rechunk(x, (24, 3))
+    y2 = rechunk_p2p.rechunk(x, (3, 6))
+    assert y1.name != y2.name
+    # computed together, in one graph
+    r1, r2 = await c.gather(c.compute([y1, y2]))
+    check_result(r1, arr)
+    check_result(r2, arr)
+    # computed in parallel by two compute calls, including the very same rechunk twice
+    y1_again = rechunk_p2p.rechunk(x, (24, 3))
+    assert y1_again.name == y1.name
+    results = await asyncio.gather(c.compute(y1), c.compute(y2), c.compute(y1_again))
+    for result in results:
+        check_result(result, arr)
+    await assert_clean(s, a, b)
+    assert_storage_used(storage, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_persisted_output_is_reused(c, s, a, b, storage):
+    await rechunk_p2p.register(c)
+    plugin = s.plugins[PLUGIN]
+    arr = np.arange(24 * 18, dtype="f8").reshape(24, 18)
+    x = da.from_array(arr, chunks=(2, 18))
+    y = c.persist(rechunk_p2p.rechunk(x, (24, 3)))
+    await wait(y)
+    # the runs are gone once every output chunk was assembled, the output stays
+    await assert_clean(s, a, b)
+    runs = plugin.runs_created
+    assert runs == 1
+    check_result(await c.compute(y), arr)
+    np.testing.assert_allclose(await c.compute((y + 1).sum(axis=1)), (arr + 1).sum(axis=1))
+    check_result(await c.compute(rechunk_p2p.rechunk(y, (6, 18))), arr)
+    assert plugin.runs_created == runs + 1  # only the new rechunk of y ran a shuffle
+    del y
+    await assert_clean(s, a, b)
+    assert_storage_used(storage, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_culling_runs_only_the_partials_needed(c, s, a, b):
+    await rechunk_p2p.register(c)
+    plugin = s.plugins[PLUGIN]
+    arr = np.arange(40 * 40).reshape(40, 40)
+    x = da.from_array(arr, chunks=(5, 10))
+    y = rechunk_p2p.rechunk(x, (10, 5))
+    plan = rechunk_p2p.plan(x, (10, 5))
+    assert plan.n_partials == plan.n_shuffles == 16  # 4 x 4 independent sub-shuffles
+    cases = [
+        (y[:10], arr[:10], 4),  # one row of partials
+        (y[12:17, 3:9], arr[12:17, 3:9], 1),  # inside one partial
+        (y[:, :5], arr[:, :5], 4),  # half the outputs of one column of partials
+        (y[25:], arr[25:], 8),
+    ]
+    for sliced, want, n_partials in cases:
+        before = plugin.runs_created
+        check_result(await c.compute(sliced), want)
+        assert plugin.runs_created - before == n_partials
+        await assert_clean(s, a, b)
+    before = plugin.runs_created
+    check_result(await c.compute(y), arr)
+    assert plugin.runs_created - before == 16
+    await assert_clean(s, a, b)
+
+
+def _fail_on_block(index):
+    def fail(block, block_info=None):
+        if block_info[0]["chunk-location"] == index:
+            raise ZeroDivisionError(f"failing on purpose in block {index}")
+        return block
+
+    return fail
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_failures_before_and_after_leave_nothing_behind(c, s, a, b, storage):
+    await rechunk_p2p.register(c)
+    arr = np.arange(40 * 40).reshape(40, 40)
+    x = da.from_array(arr, chunks=(1, 40))
+    y = rechunk_p2p.rechunk(x, (40, 1))
+    downstream = y.map_blocks(_fail_on_block((0, 7)), dtype=y.dtype)
+    with pytest.raises(ZeroDivisionError, match="on purpose"):
+        await c.compute(downstream)
+    await assert_clean(s, a, b)
+    upstream = rechunk_p2p.rechunk(x.map_blocks(_fail_on_block((30, 0)), dtype=x.dtype), (40, 1))
+    with pytest.raises(ZeroDivisionError, match="on purpose"):
+        await c.compute(upstream)
+    await assert_clean(s, a, b)
+    # the cluster still rechunks afterwards
+    check_result(await c.compute(y), arr)
+    await assert_clean(s, a, b)
+    assert_storage_used(storage, a, b)
+
+
+def _slow(block):
+    time.sleep(0.02)
+    return block
+
+
+@pytest.mark.parametrize("how", ["cancel", "release"])
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_stopped_mid_way_leaves_nothing_behind(c, s, a, b, how, storage):
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 40).reshape(60, 40)
+    x = da.from_array(arr, chunks=(1, 40)).map_blocks(_slow, dtype=arr.dtype)
+    y = rechunk_p2p.rechunk(x, (60, 1))
+    fut = c.compute(y)
+    transfers_done = 0
+    while transfers_done < 4:
+        await asyncio.sleep(0.005)
+        transfers_done = sum(
+            ts.state == "memory" and "rechunk-p2p-transfer" in ts.group_key
+            for ts in s.tasks.values()
+        )
+    assert s.plugins[PLUGIN].active, "the run must be in progress when it is stopped"
+    assert not fut.done()
+    if storage == "disk":
+        assert any(spill_files(w.local_directory) for w in (a, b))
+    if how == "cancel":
+        await fut.cancel()
+    else:
+        del fut
+    await assert_clean(s, a, b)
+    while s.tasks:
+        await asyncio.sleep(0.01)
+    # and the same rechunk runs to the end afterwards
+    check_result(await c.compute(y), arr)
+    await assert_clean(s, a, b)
