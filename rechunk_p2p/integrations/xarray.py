@@ -153,9 +153,7 @@ def _rechunk_variable(
         return var
     axes = {var.dims.index(d): spec for d, spec in own.items()}
     data = rechunk_array(var.data, axes, **kwargs)
-    if data.chunks == var.data.chunks:
-        return var
-    new = var.copy(deep=False, data=data)
+    new = var.copy(deep=False, data=data)  # a copy even if unchanged: the encoding changes
     new.encoding = _layout_encoding(var.encoding, var.dims, data.chunks)
     return new
 

@@ -17,7 +17,8 @@ from rechunk_p2p.integrations.zarr import (
     store_arrays,
 )
 from tests.conftest import assert_clean_sync
-from tests.integrations.conftest import (
+
+from .stores import (
     SHAPE,
     arrays_of,
     assert_same_values,
