@@ -42,3 +42,45 @@ async def test_single_worker(c, s, a, storage):
 async def test_three_workers_3d(c, s, a, b, w3, storage):
     x = da.random.default_rng(1).random((12, 10, 8), chunks=(1, 10, 8)).astype("f4")
     await _check(c, s, [a, b, w3], x, (12, 3, 4))
+
+
+@gen_cluster(client=True, nthreads=NTHREADS_2)
+async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storage, monkeypatch):
+    """Deliver every batch, then fail as if the ack was lost: the retry delivers it again."""
+    from rechunk_p2p.worker.dataplane import DataPlane
+
+    original = DataPlane.send
+    failed: set[tuple] = set()
+
+    async def send_then_lose_ack(self, address, shuffle_id, run_id, shards):
+        await original(self, address, shuffle_id, run_id, shards)
+        ident = (address, tuple((o, i) for o, i, _ in shards))
+        if ident not in failed:
+            failed.add(ident)
+            raise OSError("injected: ack lost")
+
+    monkeypatch.setattr(DataPlane, "send", send_then_lose_ack)
+    with dask.config.set({"rechunk-p2p.comm.retry-delay-min": "1ms"}):
+        x = da.random.default_rng(2).random((40, 30), chunks=(4, 30))
+        await _check(c, s, [a, b], x, (40, 3))
+    assert failed, "no batch crossed workers"
+
+
+@gen_cluster(client=True, nthreads=NTHREADS_2)
+async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, b, monkeypatch):
+    from rechunk_p2p.worker.dataplane import DataPlane
+
+    async def always_fail(self, address, shuffle_id, run_id, shards):
+        raise OSError("injected: network down")
+
+    monkeypatch.setattr(DataPlane, "send", always_fail)
+    await rechunk_p2p.register(c)
+    with dask.config.set(
+        {"rechunk-p2p.comm.retry-delay-min": "1ms", "rechunk-p2p.comm.retry-delay-max": "2ms"}
+    ):
+        x = da.random.default_rng(3).random((40, 30), chunks=(4, 30))
+        y = rechunk_p2p.rechunk(x, (40, 3))
+        with pytest.raises(OSError, match="network down"):
+            await c.compute(y)
+    del y
+    await assert_clean(s, a, b)
