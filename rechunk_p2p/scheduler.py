@@ -146,8 +146,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         spec = run.run_spec.spec
         tasks = self.scheduler.tasks
         pins = {}
-        for flat in range(spec.partial.n_outputs):
-            key = spec.output_key(flat)
+        for flat, index in enumerate(spec.partial.output_keys()):
+            key = (spec.output_name, *index)
             ts = tasks.get(key)
             if ts is None or ts.state not in ("released", "waiting", "no-worker", "queued"):
                 continue
