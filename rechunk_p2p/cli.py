@@ -100,8 +100,9 @@ def parse_chunks(text: str, *, option: str = "chunks") -> Any:
     if any(named) and not all(named):
         raise UsageError(f"{bad}: give every axis as NAME=SIZE, or none")
     if not any(named):
-        values = tuple(_chunk_value(item, bad) for item in items)
-        return values if len(values) > 1 else _whole_spec(items[0], bad)
+        if len(items) == 1:
+            return _whole_spec(items[0], bad)
+        return tuple(_chunk_value(item, bad) for item in items)
     spec: dict[Any, Any] = {}
     for item in items:
         key_text, _, value_text = item.partition("=")
