@@ -1,6 +1,8 @@
 """Opt-in routing of dask's ``rechunk(method="p2p")`` through this engine.
 
-Where it runs: the client (it swaps one function in ``dask.array.rechunk``).
+Where it runs: the client (it swaps the ``rechunk`` function of the ``dask.array.rechunk`` module,
+which ``Array.rechunk`` imports on every call, and ``dask.array.rechunk``, the same function
+re-exported by the ``dask.array`` package).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def install() -> None:
             return
         _original = module.rechunk
         module.rechunk = _routed_rechunk
+        package = sys.modules["dask.array"]
+        if getattr(package, "rechunk", None) is _original:  # da.rechunk(x, ...)
+            package.rechunk = _routed_rechunk
 
 
 def uninstall() -> None:
@@ -70,6 +75,9 @@ def uninstall() -> None:
         if _original is None:
             return
         _module().rechunk = _original
+        package = sys.modules["dask.array"]
+        if getattr(package, "rechunk", None) is _routed_rechunk:
+            package.rechunk = _original
         _original = None
 
 
