@@ -1,0 +1,104 @@
+"""Errors of ``rechunk_p2p.rechunk`` and ``plan``: raised on the client, before anything runs.
+
+Each bad request is made against a live cluster, which must see no task and no run because
+of it. Errors derive from :class:`rechunk_p2p.RechunkP2PError` and from the builtin a user
+would catch.
+"""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from rechunk_p2p import ClusterError, RechunkP2PError
+from tests.conftest import assert_clean
+from tests.engine_helpers import PLUGIN, TWO, check_result
+
+
+def _square():
+    return da.ones((10, 10), chunks=5)
+
+
+def _unknown_sizes():
+    x = da.from_array(np.arange(20), chunks=5)
+    return x[x > 3]
+
+
+# (make the array, chunks, exception type, a phrase of the message)
+BAD_REQUESTS = [
+    (lambda: np.ones((4, 4)), (2, 2), TypeError, "dask array"),
+    (lambda: [[1, 2], [3, 4]], (1, 1), TypeError, "from_array"),
+    (_unknown_sizes, 3, ValueError, "compute_chunk_sizes()"),
+    (lambda: _unknown_sizes()[:, None] * da.ones((1, 4)), (-1, 2), ValueError, "compute_chunk"),
+    (_square, (5,), ValueError, "dimension"),
+    (_square, ((5, 5),), ValueError, "dimension"),
+    (_square, ((5, 4), (5, 5)), ValueError, "shape"),
+    (_square, ((5, 6), (10,)), ValueError, "shape"),
+    (_square, {0: (3, 3)}, ValueError, "shape"),
+    (_square, {2: 3}, ValueError, "2"),
+    (_square, {"x": 3}, (ValueError, TypeError), "x"),
+    (_square, "not-a-size", ValueError, "not-a-size"),
+]
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_bad_requests_fail_before_anything_runs(c, s, a, b):
+    await rechunk_p2p.register(c)
+    for make, chunks, error, phrase in BAD_REQUESTS:
+        x = make()
+        for attempt in (rechunk_p2p.rechunk, rechunk_p2p.plan):
+            with pytest.raises(error) as info:
+                attempt(x, chunks)
+            assert isinstance(info.value, RechunkP2PError), (chunks, repr(info.value))
+            assert phrase in str(info.value), (chunks, str(info.value))
+    assert not s.tasks
+    assert s.plugins[PLUGIN].runs_created == 0
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_unknown_storage_setting(c, s, a, b):
+    await rechunk_p2p.register(c)
+    x = da.from_array(np.arange(100).reshape(10, 10), chunks=(1, 10))
+    for bad in ("tape", "DISK", None, 1):
+        with dask.config.set({"rechunk-p2p.storage": bad}):
+            with pytest.raises(ValueError, match=r"rechunk-p2p\.storage") as info:
+                rechunk_p2p.rechunk(x, (10, 1))
+            assert isinstance(info.value, RechunkP2PError)
+            assert "disk" in str(info.value) and "memory" in str(info.value)
+            assert rechunk_p2p.rechunk(x, x.chunks) is x  # nothing to do: no storage needed
+    assert not s.tasks
+    check_result(await c.compute(rechunk_p2p.rechunk(x, (10, 1))), np.arange(100).reshape(10, 10))
+    await assert_clean(s, a, b)
+
+
+def test_extra_entries_are_ignored_like_dask():
+    x = _square()
+    for chunks in [(5, 2, 7), ((5, 5), (2, 8), (1,))]:
+        assert rechunk_p2p.rechunk(x, chunks).chunks == x.rechunk(chunks, method="tasks").chunks
+
+
+def test_unchanged_unknown_sizes_return_the_input():
+    y = _unknown_sizes()
+    assert rechunk_p2p.rechunk(y, y.chunks) is y
+    assert rechunk_p2p.rechunk(y, {0: None}) is y
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_missing_worker_plugin_is_a_cluster_error(c, s, a, b):
+    """Without register() (an asynchronous client does not register by itself) or a preload,
+    the first transfer says what to do; nothing is left behind."""
+    x = da.from_array(np.arange(100).reshape(10, 10), chunks=(1, 10))
+    y = rechunk_p2p.rechunk(x, (10, 1))
+    with pytest.raises(ClusterError, match="register"):
+        await c.compute(y)
+    assert PLUGIN not in s.plugins
+    await assert_clean(s, a, b)
+    await rechunk_p2p.register(c)
+    y = rechunk_p2p.rechunk(x, (10, 2))  # y's keys may still hold the error a while
+    check_result(await c.compute(y), np.arange(100).reshape(10, 10))
+    await assert_clean(s, a, b)
