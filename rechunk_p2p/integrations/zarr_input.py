@@ -394,8 +394,9 @@ class _Target:
     @classmethod
     def of(cls, target: Any, root: zarr.Array | zarr.Group, *, overwrite: bool) -> _Target:
         """Check ``target`` against the source and ``overwrite``; touch nothing."""
-        if isinstance(target, str | os.PathLike) and not _is_url(target):
-            path = os.path.realpath(os.path.expanduser(os.fspath(target)))
+        target = _local_or_store(target)
+        if isinstance(target, str):
+            path = target
             existed = os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
             _check_overlap(path, local_root(root.store, root.path))
             if existed and overwrite and not _is_zarr_dir(path):
@@ -403,19 +404,10 @@ class _Target:
                     f"target {path!r} exists and is not a zarr store; refusing to delete it"
                 )
             location: Any = path
-        elif isinstance(target, zarr.storage.MemoryStore):
-            raise RechunkInputError(
-                "the target is an in-memory store: workers would write to copies of it; "
-                "write to a path or a store the workers share"
-            )
-        elif isinstance(target, zarr.abc.store.Store) or _is_url(target):
-            path, location, existed = None, target, _has_zarr_node(target)
-            if target is root.store or target == root.store:
-                raise RechunkInputError("target is the source's store; write to a new store")
         else:
-            raise RechunkTypeError(
-                f"target must be a path or a zarr store, not {type(target).__name__}"
-            )
+            path, location, existed = None, target, _has_zarr_node(target)
+            if target == root.store:
+                raise RechunkInputError("target is the source's store; write to a new store")
         if existed and not overwrite:
             raise RechunkInputError(
                 f"target {path or target!r} already exists; pass overwrite=True "
@@ -442,6 +434,31 @@ class _Target:
 
     def __str__(self) -> str:
         return self.path or repr(self.location)
+
+
+def _local_or_store(target: Any) -> Any:
+    """A local target as its absolute path, anything else as a zarr store."""
+    if isinstance(target, zarr.storage.LocalStore):
+        target = str(target.root)
+    elif isinstance(target, str) and target.startswith("file://"):
+        target = target[len("file://") :]
+    elif _is_url(target):
+        try:
+            return zarr.storage.FsspecStore.from_url(target, read_only=False)
+        except ImportError as e:
+            raise RechunkInputError(f"target {target!r} is a URL, which needs fsspec: {e}") from e
+    if isinstance(target, str | os.PathLike):
+        return os.path.realpath(os.path.expanduser(os.fspath(target)))
+    if isinstance(target, zarr.storage.MemoryStore):
+        raise RechunkInputError(
+            "the target is an in-memory store: workers would write to copies of it; "
+            "write to a path or a store the workers share"
+        )
+    if not isinstance(target, zarr.abc.store.Store):
+        raise RechunkTypeError(
+            f"target must be a path, URL or zarr store, not {type(target).__name__}"
+        )
+    return target
 
 
 def _check_overlap(target: str, source: str | None) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zarr
 
-from rechunk_p2p.errors import RechunkInputError
+from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.integrations.zarr import (
     check_zarr_rechunk,
     plan_zarr,
@@ -168,6 +168,12 @@ def test_array_source_with_options(p2p_client, tmp_path):
     rechunk_zarr(arr, tmp_path / "c.zarr", (5, -1), progress=False)  # a zarr Array as source
     assert tuple(zarr.open_array(tmp_path / "c.zarr", mode="r").chunks) == (5, 30)
 
+    # a file:// URL as source, a LocalStore as target
+    rechunk_zarr(f"file://{src}", zarr.storage.LocalStore(tmp_path / "d.zarr"), 10, progress=False)
+    out = zarr.open_array(tmp_path / "d.zarr", mode="r")
+    assert tuple(out.chunks) == (10, 10)
+    np.testing.assert_array_equal(out[:], arr[:])
+
 
 def test_overwrite_replaces_target(p2p_client, tmp_path):
     src, tgt = tmp_path / "src.zarr", tmp_path / "tgt.zarr"
@@ -214,6 +220,12 @@ def test_failure_removes_created_target(p2p_client, tmp_path):
     assert not isinstance(info.value, RechunkInputError)
     assert not tgt.exists()
     assert_clean_sync(p2p_client)
+
+
+def test_target_of_the_wrong_type_is_refused(tmp_path):
+    make_climate_group(tmp_path / "src.zarr", 3)
+    with pytest.raises(RechunkTypeError, match="path, URL or zarr store"):
+        rechunk_zarr(tmp_path / "src.zarr", 42, {"time": -1}, progress=False)
 
 
 def test_in_memory_target_is_refused(tmp_path):
