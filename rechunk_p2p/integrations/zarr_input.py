@@ -13,7 +13,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zarr
@@ -71,6 +71,8 @@ def check_zarr_rechunk(
     root = open_source(source)
     layouts = resolve_layouts(root, chunks, shards=shards)
     fmt = _target_format(root, zarr_format, layouts)
+    if fmt == 2:  # arrays copied from sharded format 3 sources lose their shards
+        layouts = tuple(replace(lay, shards=None) for lay in layouts)
     options = _check_array_options(array_options)
     _check_storage(storage)
     dest = _Target.of(target, root, overwrite=overwrite)

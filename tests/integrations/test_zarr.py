@@ -112,7 +112,11 @@ def test_v2_to_v3_sharded_target(p2p_client, tmp_path):
 
 def test_v3_to_v2_writes_array_dimensions(p2p_client, tmp_path):
     src, tgt = tmp_path / "src.zarr", tmp_path / "tgt.zarr"
-    make_climate_group(src, 3)
+    make_climate_group(src, 3, consolidated=False)
+    sharded = zarr.open_group(src, mode="a").create_array(
+        "sharded", shape=(12,), chunks=(2,), shards=(6,), dtype="int32", dimension_names=("x",)
+    )
+    sharded[:] = np.arange(12, dtype="int32")
 
     rechunk_zarr(src, tgt, {"lon": 6}, zarr_format=2, progress=False)
 
@@ -121,6 +125,9 @@ def test_v3_to_v2_writes_array_dimensions(p2p_client, tmp_path):
     assert tuple(temp.chunks) == (1, Y, 6)
     assert temp.attrs["_ARRAY_DIMENSIONS"] == ["time", "lat", "lon"]
     assert_same_values(zarr.open_array(src / "temperature", mode="r"), temp)
+    copied = zarr.open_array(tgt / "sharded", mode="r")  # format 2 has no shards
+    assert (copied.metadata.zarr_format, tuple(copied.chunks)) == (2, (2,))
+    assert_same_values(sharded, copied)
 
 
 def test_store_tasks_write_whole_shards(tmp_path):
