@@ -26,7 +26,12 @@ from dask.utils import parse_timedelta
 
 from rechunk_p2p import config
 from rechunk_p2p.diagnostics import loop_probe
-from rechunk_p2p.diagnostics.loop_stats import DistributedSignals, LoopLagReport, build_report
+from rechunk_p2p.diagnostics.loop_stats import (
+    DistributedSignals,
+    LoopLagReport,
+    build_report,
+    causes_from_wire,
+)
 from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkTypeError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +49,7 @@ def measure_event_loops(
     include_scheduler: bool = True,
     max_samples: int | None = None,
     timeline_points: int = DEFAULT_TIMELINE_POINTS,
+    capture_stacks: str | float | None = None,
 ) -> LoopLagMonitor:
     """Sample the event-loop lag of every worker and the scheduler while the block runs.
 
@@ -66,6 +72,10 @@ def measure_event_loops(
         Counters, maximum and percentiles stay exact/bounded regardless of the cap.
     timeline_points
         Points kept per timeline in the report.
+    capture_stacks
+        A duration (e.g. ``"100ms"``): a watchdog thread in each process records the loop
+        thread's stack whenever the loop has not run the probe for that long; the most
+        frequent stacks appear in ``report.causes[address].stacks``. ``None`` (default): off.
 
     Returns
     -------
@@ -95,7 +105,12 @@ def measure_event_loops(
         max_samples = _max_samples_setting()
     if max_samples < 2 or timeline_points < 2:
         raise RechunkInputError("measure_event_loops: max_samples and timeline_points must be >= 2")
-    return LoopLagMonitor(client, interval_s, include_scheduler, max_samples, timeline_points)
+    stack_threshold_s = (
+        None if capture_stacks is None else float(parse_timedelta(capture_stacks, default="s"))
+    )
+    return LoopLagMonitor(
+        client, interval_s, include_scheduler, max_samples, timeline_points, stack_threshold_s
+    )
 
 
 def _max_samples_setting() -> int:
@@ -120,8 +135,10 @@ class LoopLagMonitor:
         include_scheduler: bool,
         max_samples: int,
         timeline_points: int,
+        stack_threshold_s: float | None = None,
     ) -> None:
         self.client = client
+        self.stack_threshold_s = stack_threshold_s
         self.interval_s = interval_s
         self.include_scheduler = include_scheduler
         self.max_samples = max_samples
@@ -182,7 +199,13 @@ class LoopLagMonitor:
     # -- coordination (runs on the client's event loop) ------------------------------
     async def _start(self) -> None:
         self._t0, self._t0_mono = time.time(), time.monotonic()
-        args = (self.token, self.interval_s, self.max_samples, self._t0)
+        options = {
+            "interval_s": self.interval_s,
+            "max_samples": self.max_samples,
+            "t0_wall": self._t0,
+            "stack_threshold_s": self.stack_threshold_s,
+        }
+        args = (self.token, options)
         try:
             if self.include_scheduler:
                 await self.client.run_on_scheduler(loop_probe.start_on_scheduler, *args)
@@ -234,6 +257,7 @@ class LoopLagMonitor:
                     missing.append(addr)
         self.workers = []
         signals = {a: DistributedSignals(**w.pop("signals")) for a, w in wires.items()}
+        causes = {a: causes_from_wire(w.pop("causes")) for a, w in wires.items()}
         return build_report(
             wires,
             signals,
@@ -241,4 +265,5 @@ class LoopLagMonitor:
             duration_s=duration,
             timeline_points=self.timeline_points,
             missing=missing,
+            causes=causes,
         )

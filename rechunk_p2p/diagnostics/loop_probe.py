@@ -22,10 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
 from rechunk_p2p.diagnostics.loop_stats import LagAccumulator, summarise
+from rechunk_p2p.diagnostics.stall_causes import CauseTracker, StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -127,15 +129,29 @@ class _LoopProbe:
         Cap of timeline points kept (see :class:`LagAccumulator`).
     t0_wall
         The client's wall-clock time when the window opened; timelines are relative to it.
+    stack_threshold_s
+        Catch the loop thread's stack when it has not sampled for this long (``None``: off).
     """
 
-    def __init__(self, server: Any, interval_s: float, max_samples: int, t0_wall: float) -> None:
+    def __init__(
+        self,
+        server: Any,
+        interval_s: float,
+        max_samples: int,
+        t0_wall: float,
+        stack_threshold_s: float | None = None,
+    ) -> None:
         self.server = server
         self.interval = interval_s
         self.acc = LagAccumulator(max_samples)
+        self.causes = CauseTracker(interval_s)
         self.loop = asyncio.get_running_loop()
+        self.watchdog = (
+            StallWatchdog(threading.get_ident(), stack_threshold_s) if stack_threshold_s else None
+        )
         # Map loop time to seconds since the client opened the window.
         self.offset = (time.time() - t0_wall) - self.loop.time()
+        self.started = self.loop.time()
         self.filter = _acquire_filter()
         self._ticks0 = getattr(server, "_tick_counter", 0)
         self._tick_total0 = _digest(server, "digests_total")
@@ -151,7 +167,11 @@ class _LoopProbe:
             self._retire()
             return
         now = self.loop.time()
-        self.acc.add(now + self.offset, max(0.0, now - self.due) * 1000.0)
+        lag_ms = max(0.0, now - self.due) * 1000.0
+        self.acc.add(now + self.offset, lag_ms)
+        self.causes.observe(lag_ms)
+        if self.watchdog is not None:
+            self.watchdog.beat()
         self.due = now + self.interval
         self.handle = self.loop.call_at(self.due, self._sample)
 
@@ -175,8 +195,10 @@ class _LoopProbe:
             server.digests_max[_TICK_METRIC] = max(tick_max, self._tick_max_saved)
         n_unresp, longest = self.filter.take(server)
         _release_filter()
+        stacks = self.watchdog.stop() if self.watchdog is not None else {}
+        self.causes.close()
         core = sys.modules.get("distributed.core")
-        wire = summarise(self.acc, timeline_points)
+        wire = summarise(self.acc, timeline_points, self.loop.time() - self.started)
         wire["signals"] = {
             "server_type": type(server).__name__,
             "ticks": int(ticks),
@@ -186,6 +208,7 @@ class _LoopProbe:
             "unresponsive_max_s": longest if n_unresp > self._n_unresp0 else 0.0,
             "tick_limit_s": float(getattr(core, "tick_maximum_delay", float("nan"))),
         }
+        wire["causes"] = self.causes.wire(stacks)
         return wire
 
 
@@ -194,11 +217,11 @@ def _digest(server: Any, name: str) -> float:
     return float(table.get(_TICK_METRIC, 0.0)) if table is not None else 0.0
 
 
-def _start(server: Any, token: str, interval_s: float, max_samples: int, t0: float) -> str:
+def _start(server: Any, token: str, options: dict[str, Any]) -> str:
     key = (token, server.address)
     if key in _PROBES:
         raise RuntimeError(f"loop probe {token} already running on {server.address}")
-    _PROBES[key] = _LoopProbe(server, interval_s, max_samples, t0)
+    _PROBES[key] = _LoopProbe(server, **options)
     return server.address
 
 
@@ -207,18 +230,17 @@ def _stop(server: Any, token: str, timeline_points: int) -> dict[str, Any] | Non
     return None if probe is None else probe.stop(timeline_points)
 
 
-def start_on_worker(
-    token: str, interval_s: float, max_samples: int, t0: float, dask_worker: Any = None
-) -> str:
-    """Start a probe on this worker's loop (for ``Client.run``); returns the address."""
-    return _start(dask_worker, token, interval_s, max_samples, t0)
+def start_on_worker(token: str, options: dict[str, Any], dask_worker: Any = None) -> str:
+    """Start a probe on this worker's loop (for ``Client.run``); returns the address.
+
+    ``options`` are the keyword arguments of :class:`_LoopProbe` after ``server``.
+    """
+    return _start(dask_worker, token, options)
 
 
-def start_on_scheduler(
-    token: str, interval_s: float, max_samples: int, t0: float, dask_scheduler: Any = None
-) -> str:
+def start_on_scheduler(token: str, options: dict[str, Any], dask_scheduler: Any = None) -> str:
     """Start a probe on the scheduler's loop (for ``Client.run_on_scheduler``)."""
-    return _start(dask_scheduler, token, interval_s, max_samples, t0)
+    return _start(dask_scheduler, token, options)
 
 
 def stop_on_worker(

@@ -104,12 +104,15 @@ class LagAccumulator:
     ----------
     max_samples
         Upper bound of timeline points kept (rounded up to an even number, at least 2).
+    timeline
+        Keep a timeline at all (``False``: counters and histogram only).
     """
 
     __slots__ = (
         "_acc_lag",
         "_acc_n",
         "_acc_t",
+        "_keep_timeline",
         "_lags",
         "_stride",
         "_times",
@@ -120,7 +123,8 @@ class LagAccumulator:
         "stalls",
     )
 
-    def __init__(self, max_samples: int) -> None:
+    def __init__(self, max_samples: int, timeline: bool = True) -> None:
+        self._keep_timeline = timeline
         self.max_samples = max(2, max_samples + (max_samples % 2))
         self.samples = 0
         self.max_ms = 0.0
@@ -143,6 +147,8 @@ class LagAccumulator:
                 self.stalls[i] += 1
         b = bin_index(lag_ms)
         self.hist[b] = self.hist.get(b, 0) + 1
+        if not self._keep_timeline:
+            return
         if lag_ms > self._acc_lag:
             self._acc_t, self._acc_lag = t, lag_ms
         self._acc_n += 1
@@ -193,6 +199,10 @@ class LoopLagSummary:
     timeline
         ``(seconds since the window began, lag in ms)`` pairs, downsampled keeping the worst
         lag of each bucket.
+    active_s
+        Seconds the probe ran on that loop (start and stop reach the processes one after
+        the other, so this is a little shorter than the window); summed over processes in
+        the overall summary.
     """
 
     samples: int
@@ -202,6 +212,7 @@ class LoopLagSummary:
     stalls_over_50ms: int
     stalls_over_200ms: int
     timeline: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+    active_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +247,38 @@ class DistributedSignals:
 
 
 @dataclass(frozen=True)
+class StallCauses:
+    """**Immutable.** Where the time of one process's stalls (samples later than 50 ms) went.
+
+    Attributes
+    ----------
+    stall_ms
+        Total lag of the stalls.
+    loop_cpu_ms
+        CPU time used by the loop thread during those late intervals (code on the loop).
+    runqueue_ms
+        Time the loop thread waited for a CPU during them (machine contention);
+        ``nan`` where the OS does not report it.
+    other_ms
+        The rest: waiting for the GIL or blocked in a system call.
+    adjusted_p99_ms, adjusted_max_ms, adjusted_stalls_over_200ms
+        Lag statistics over all samples after subtracting each interval's run-queue wait.
+    stacks
+        ``(count, stack)`` of the loop thread caught during stalls, most frequent first
+        (empty unless stack capture was asked for).
+    """
+
+    stall_ms: float
+    loop_cpu_ms: float
+    runqueue_ms: float
+    other_ms: float
+    adjusted_p99_ms: float
+    adjusted_max_ms: float
+    adjusted_stalls_over_200ms: int
+    stacks: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class LoopLagReport:
     """**Immutable.** Event-loop lag of every probed process over one measurement window.
 
@@ -253,6 +296,9 @@ class LoopLagReport:
         distributed's own signals per server address.
     missing
         Addresses probed at the start that could not be read at the end (they left).
+    causes
+        Per address, where the stalls' time went (loop CPU, run-queue wait, other) and the
+        contention-adjusted lag; see :mod:`rechunk_p2p.diagnostics.stall_causes`.
     """
 
     per_process: dict[str, LoopLagSummary]
@@ -261,6 +307,7 @@ class LoopLagReport:
     duration_s: float
     distributed: dict[str, DistributedSignals]
     missing: tuple[str, ...] = ()
+    causes: dict[str, StallCauses] = field(default_factory=dict)
 
     @property
     def unresponsive_warnings(self) -> int:
@@ -294,15 +341,20 @@ class LoopLagReport:
             duration_s=float(d["duration_s"]),
             distributed={a: DistributedSignals(**s) for a, s in d["distributed"].items()},
             missing=tuple(d.get("missing", ())),
+            causes={
+                a: StallCauses(**{**c, "stacks": tuple((int(n), s) for n, s in c["stacks"])})
+                for a, c in d.get("causes", {}).items()
+            },
         )
 
     def __str__(self) -> str:
         return format_report(self)
 
 
-def summarise(acc: LagAccumulator, timeline_points: int) -> dict[str, Any]:
+def summarise(acc: LagAccumulator, timeline_points: int, active_s: float = 0.0) -> dict[str, Any]:
     """The wire form of one process's samples: counters, sparse histogram, timeline."""
     return {
+        "active_s": active_s,
         "samples": acc.samples,
         "max_ms": acc.max_ms,
         "stalls": list(acc.stalls),
@@ -317,6 +369,7 @@ def _summary_from(
     stalls: Sequence[int],
     hist: Mapping[int, int],
     timeline: tuple[tuple[float, float], ...],
+    active_s: float,
 ) -> LoopLagSummary:
     return LoopLagSummary(
         samples=samples,
@@ -326,16 +379,18 @@ def _summary_from(
         stalls_over_50ms=stalls[0],
         stalls_over_200ms=stalls[1],
         timeline=timeline,
+        active_s=active_s,
     )
 
 
 def merge_summaries(wires: Iterable[Mapping[str, Any]], timeline_points: int) -> LoopLagSummary:
     """Merge the wire forms of several processes into one summary (exact counters)."""
-    samples, max_ms, stalls = 0, 0.0, [0] * len(STALL_MS)
+    samples, max_ms, stalls, active_s = 0, 0.0, [0] * len(STALL_MS), 0.0
     hist: dict[int, int] = {}
     points: list[tuple[float, float]] = []
     for w in wires:
         samples += w["samples"]
+        active_s += w.get("active_s", 0.0)
         max_ms = max(max_ms, w["max_ms"])
         stalls = [a + b for a, b in zip(stalls, w["stalls"], strict=True)]
         for k, n in w["hist"].items():
@@ -343,7 +398,7 @@ def merge_summaries(wires: Iterable[Mapping[str, Any]], timeline_points: int) ->
         points.extend(w["timeline"])
     points.sort()
     timeline = downsample_max([p[0] for p in points], [p[1] for p in points], timeline_points)
-    return _summary_from(samples, max_ms, stalls, hist, timeline)
+    return _summary_from(samples, max_ms, stalls, hist, timeline, active_s)
 
 
 def build_report(
@@ -354,10 +409,13 @@ def build_report(
     duration_s: float,
     timeline_points: int,
     missing: Sequence[str] = (),
+    causes: Mapping[str, StallCauses] | None = None,
 ) -> LoopLagReport:
     """Assemble a :class:`LoopLagReport` from the wire forms of every process."""
     per_process = {
-        addr: _summary_from(w["samples"], w["max_ms"], w["stalls"], w["hist"], w["timeline"])
+        addr: _summary_from(
+            w["samples"], w["max_ms"], w["stalls"], w["hist"], w["timeline"], w.get("active_s", 0.0)
+        )
         for addr, w in sorted(wires.items())
     }
     return LoopLagReport(
@@ -367,6 +425,26 @@ def build_report(
         duration_s=duration_s,
         distributed=dict(sorted(signals.items())),
         missing=tuple(sorted(missing)),
+        causes=dict(sorted((causes or {}).items())),
+    )
+
+
+def _nan_to_zero(v: float) -> float:
+    return 0.0 if math.isnan(v) else v
+
+
+def causes_from_wire(w: Mapping[str, Any]) -> StallCauses:
+    """Build :class:`StallCauses` from the wire form a probe sends back."""
+    adj = w["adjusted"]
+    return StallCauses(
+        stall_ms=w["stall_ms"],
+        loop_cpu_ms=w["loop_cpu_ms"],
+        runqueue_ms=w["runqueue_ms"],
+        other_ms=max(0.0, w["stall_ms"] - w["loop_cpu_ms"] - _nan_to_zero(w["runqueue_ms"])),
+        adjusted_p99_ms=histogram_percentile(adj["hist"], 0.99, adj["max_ms"]),
+        adjusted_max_ms=adj["max_ms"],
+        adjusted_stalls_over_200ms=adj["stalls"][1],
+        stacks=tuple((int(n), s) for n, s in w["stacks"]),
     )
 
 
@@ -393,7 +471,26 @@ def format_report(report: LoopLagReport) -> str:
     )
     if report.missing:
         lines.append(f"missing at the end (left the cluster): {', '.join(report.missing)}")
+    lines.extend(_format_causes(report))
     return "\n".join(lines)
+
+
+def _format_causes(report: LoopLagReport) -> list[str]:
+    lines = []
+    for addr, c in report.causes.items():
+        if c.stall_ms <= 0:
+            continue
+        lines.append(
+            f"{addr}: stalls {c.stall_ms:.0f} ms = loop CPU {c.loop_cpu_ms:.0f} + run-queue wait "
+            f"{c.runqueue_ms:.0f} + GIL/blocking {c.other_ms:.0f}; without run-queue wait: "
+            f"p99 {c.adjusted_p99_ms:.1f} ms, max {c.adjusted_max_ms:.1f} ms, "
+            f"{c.adjusted_stalls_over_200ms} stalls > 200 ms"
+        )
+        if c.stacks:
+            n, stack = c.stacks[0]
+            lines.append(f"  loop stack caught {n}x during stalls (innermost last):")
+            lines.extend("    " + line for line in stack.splitlines())
+    return lines
 
 
 def _row(name: str, role: str, s: LoopLagSummary) -> str:
