@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from distributed import Client
 
-from integration.lag_bounds import LagBounds, violations
+from integration.lag_bounds import LagBounds, strict_from_env, violations
 from integration.workloads import (
     Workload,
     all_workloads,
@@ -53,15 +53,15 @@ def test_loop_stays_responsive(client: Client, name: str) -> None:
     w: Workload = WORKLOADS[name]
     _, ok = workload_graph("rechunk_p2p", w)
     t0 = time.perf_counter()
-    with measure_event_loops(client) as probe:
+    with measure_event_loops(client, capture_stacks="100ms") as probe:
         result = client.compute(ok).result(timeout=TIMEOUT_S)
     wall = time.perf_counter() - t0
     report = probe.report
     print(f"\n{w.summary()}\nwall {wall:.1f} s\n{report}")
     _save(name, w, wall, report)
     assert result, f"{name}: some output chunk does not hold the values it should"
-    bounds = LagBounds(max_ms=w.max_ms)
-    assert not violations(report, bounds), "\n".join(violations(report, bounds))
+    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
+    assert not broken, "\n".join([*broken, str(report)])
     # Nothing left on the cluster once the result is released.
     del ok
     deadline = time.monotonic() + 10

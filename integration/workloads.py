@@ -85,7 +85,7 @@ class Workload:
 # -- sizes --------------------------------------------------------------------------------
 
 #: Default bytes per workload (about two minutes for the suite on two busy cores).
-DEFAULT_BYTES = {"2d": 192 * 2**20, "3d": 192 * 2**20, "many": 640 * 2**20}
+DEFAULT_BYTES = {"2d": 512 * 2**20, "3d": 512 * 2**20, "many": 640 * 2**20}
 
 
 def size_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:

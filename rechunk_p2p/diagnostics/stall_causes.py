@@ -144,9 +144,11 @@ class StallWatchdog:
             beat = self._beat
             if time.monotonic() - beat > self._threshold and beat != self._caught_beat:
                 self._caught_beat = beat
-                frame = sys._current_frames().get(self._loop_thread)
+                frames = sys._current_frames()
+                frame = frames.pop(self._loop_thread, None)
+                frames.pop(threading.get_ident(), None)
                 if frame is not None:
-                    self._record(_format_stack(frame))
+                    self._record(_format_stack(frame) + _busy_threads(frames))
 
     def _record(self, stack: str) -> None:
         with self._lock:
@@ -159,6 +161,41 @@ class StallWatchdog:
         self._thread.join()
         with self._lock:
             return dict(self._stacks)
+
+
+#: Innermost functions of a thread that is idle (waiting), not holding the GIL.
+_IDLE = frozenset(
+    {
+        "wait",
+        "select",
+        "poll",
+        "get",
+        "acquire",
+        "_wait_for_tstate_lock",
+        "sleep",
+        "accept",
+        "recv_into",
+        "read",
+        "readinto",
+        "epoll",
+        "_worker",
+        "wait_for",
+        "_recv",
+        "_run_blocking",
+    }
+)
+
+
+def _busy_threads(frames: dict[int, Any]) -> str:
+    """Innermost frames of the other threads that are not visibly idle (GIL suspects)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in frames.items():
+        if frame.f_code.co_name in _IDLE:
+            continue
+        out.append(f"-- thread {names.get(ident, ident)} (running or just ran):\n")
+        out.append(_format_stack(frame, limit=4))
+    return "".join(out)
 
 
 def _format_stack(frame: Any, limit: int = 12) -> str:

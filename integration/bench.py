@@ -1,0 +1,322 @@
+"""Benchmark rechunk_p2p against dask's ``method="p2p"`` and ``method="tasks"``.
+
+Where it runs: the benchmark process (client) drives a local 2-process cluster; a sampler
+thread reads worker RSS and local-directory sizes; the probes run on each server's loop.
+
+Usage::
+
+    PYTHONPATH=. .venv/bin/python -m integration.bench --size 1.5GiB --repeat 3
+    python -m integration.bench --workloads 2d,3d --impls rechunk_p2p,dask-p2p
+
+Implementations alternate inside each repeat (A B C A B C ...), each run on freshly
+restarted workers (so peak RSS is per run). Writes ``bench.json`` and, when matplotlib is
+installed, ``bench.png`` to ``--out`` and prints a table of medians across repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import dask
+import distributed
+from dask.utils import format_bytes, parse_bytes
+from distributed import Client, LocalCluster
+
+from integration.lag_bounds import LagBounds, violations
+from integration.resources import ResourceSampler
+from integration.workloads import (
+    DEFAULT_BYTES,
+    IMPLEMENTATIONS,
+    Workload,
+    many_small,
+    rows_to_columns,
+    size_from_env,
+    time_to_space,
+    workload_graph,
+)
+from rechunk_p2p.diagnostics import measure_event_loops
+
+_MAKERS = {"2d": rows_to_columns, "3d": time_to_space, "many": many_small}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m integration.bench", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--size", help="bytes per workload, e.g. 1.5GiB (default: env or built-in)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--workloads", default="2d,3d,many", help=f"comma list of {sorted(_MAKERS)}")
+    p.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma list, in run order")
+    p.add_argument("--interval", default="5ms", help="loop-lag probe interval")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before giving up")
+    p.add_argument("--no-restart", action="store_true", help="do not restart workers between runs")
+    p.add_argument("--out", type=Path, default=None, help="output directory")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def workloads_for(args: argparse.Namespace) -> list[Workload]:
+    sizes = size_from_env()
+    if args.size:
+        sizes = dict.fromkeys(DEFAULT_BYTES, int(parse_bytes(args.size)))
+    return [_MAKERS[k](sizes[k]) for k in args.workloads.split(",")]
+
+
+def _worker_info(client: Client) -> tuple[dict[str, int], dict[str, str]]:
+    info = client.run(lambda dask_worker: (os.getpid(), dask_worker.local_directory))
+    return {a: v[0] for a, v in info.items()}, {a: v[1] for a, v in info.items()}
+
+
+def _spilled(client: Client, impl: str) -> int | None:
+    if impl != "rechunk_p2p":
+        return None
+    try:
+        import rechunk_p2p
+
+        return int(rechunk_p2p.cluster_statistics(client)["bytes_spilled"])
+    except Exception:
+        return None
+
+
+def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """One timed, measured, checked run; never raises for a failed run (records it)."""
+    if not args.no_restart:
+        client.restart()
+    pids, dirs = _worker_info(client)
+    spilled0 = _spilled(client, impl)
+    out: dict[str, Any] = {"impl": impl, "workload": w.name, "load_before": os.getloadavg()[0]}
+    try:
+        _, ok = workload_graph(impl, w)
+    except Exception as e:  # e.g. an implementation refusing the workload
+        return {**out, "ok": False, "error": f"{type(e).__name__}: {e}"}
+    with ResourceSampler(pids, dirs) as sampler:
+        t0 = time.perf_counter()
+        with measure_event_loops(client, args.interval, timeline_points=1000) as probe:
+            future = client.compute(ok)
+            try:
+                result, error = bool(future.result(timeout=args.timeout)), None
+            except Exception as e:
+                result, error = False, f"{type(e).__name__}: {e}"
+                client.cancel(future)
+        wall = time.perf_counter() - t0
+    spilled1 = _spilled(client, impl)
+    report = probe.report
+    peaks = sampler.peaks()
+    return {
+        **out,
+        "ok": result,
+        "error": error,
+        "wall_s": wall,
+        "rss_peak_bytes": peaks.rss_bytes,
+        "disk_peak_bytes": peaks.disk_bytes,
+        "spilled_bytes": None if spilled0 is None or spilled1 is None else spilled1 - spilled0,
+        "bounds_broken": violations(report, LagBounds(max_ms=w.max_ms)) if report else None,
+        "lag": report.to_dict() if report else None,
+    }
+
+
+def headline(run: dict[str, Any]) -> dict[str, float]:
+    """The per-run figures the table and the medians use."""
+    lag = run.get("lag") or {}
+    overall = lag.get("overall", {})
+    workers = [
+        s
+        for a, s in lag.get("per_process", {}).items()
+        if lag["distributed"].get(a, {}).get("server_type") != "Scheduler"
+    ]
+    causes = list(lag.get("causes", {}).values())
+    return {
+        "wall_s": run.get("wall_s", float("nan")),
+        "p50_ms": overall.get("p50_ms", float("nan")),
+        "p99_ms": overall.get("p99_ms", float("nan")),
+        "max_ms": overall.get("max_ms", float("nan")),
+        "worker_p99_ms": max((s["p99_ms"] for s in workers), default=float("nan")),
+        "worker_max_ms": max((s["max_ms"] for s in workers), default=float("nan")),
+        "stalls_50": overall.get("stalls_over_50ms", 0),
+        "stalls_200": overall.get("stalls_over_200ms", 0),
+        "adj_p99_ms": max((c["adjusted_p99_ms"] for c in causes), default=float("nan")),
+        "adj_max_ms": max((c["adjusted_max_ms"] for c in causes), default=float("nan")),
+        "unresponsive": sum(
+            s["unresponsive_warnings"] for s in lag.get("distributed", {}).values()
+        ),
+        "rss_peak": max(run.get("rss_peak_bytes", {}).values(), default=0),
+        "disk_peak": max(run.get("disk_peak_bytes", {}).values(), default=0),
+        "spilled": run.get("spilled_bytes") or 0,
+    }
+
+
+def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median of every headline figure per (workload, implementation), successful runs only."""
+    groups: dict[tuple[str, str], list[dict[str, float]]] = {}
+    failures: dict[tuple[str, str], int] = {}
+    for r in runs:
+        key = (r["workload"], r["impl"])
+        if r.get("ok"):
+            groups.setdefault(key, []).append(headline(r))
+        else:
+            failures[key] = failures.get(key, 0) + 1
+    out = []
+    for key in dict.fromkeys([(r["workload"], r["impl"]) for r in runs]):
+        rows = groups.get(key, [])
+        med = {k: statistics.median(row[k] for row in rows) for k in rows[0]} if rows else {}
+        out.append(
+            {
+                "workload": key[0],
+                "impl": key[1],
+                "runs": len(rows),
+                "failed": failures.get(key, 0),
+                **med,
+            }
+        )
+    return out
+
+
+def format_table(meds: list[dict[str, Any]]) -> str:
+    cols = (
+        "workload",
+        "impl",
+        "ok/n",
+        "wall s",
+        "p50",
+        "p99",
+        "max",
+        "wrk p99",
+        "wrk max",
+        ">50",
+        ">200",
+        "adj p99",
+        "adj max",
+        "unresp",
+        "RSS peak",
+        "disk peak",
+        "spilled",
+    )
+    widths = (-18, -12, 5, 7, 6, 7, 8, 7, 8, 5, 5, 7, 8, 6, 10, 10, 10)
+    fmt = " ".join(f"{{:{'<' if w < 0 else '>'}{abs(w)}}}" for w in widths)
+    lines = [fmt.format(*cols), "-" * 160]
+    for m in meds:
+        if not m["runs"]:
+            lines.append(fmt.format(m["workload"], m["impl"], f"0/{m['failed']}", *["-"] * 14))
+            continue
+        lines.append(
+            fmt.format(
+                m["workload"],
+                m["impl"],
+                f"{m['runs']}/{m['runs'] + m['failed']}",
+                f"{m['wall_s']:.1f}",
+                f"{m['p50_ms']:.2f}",
+                f"{m['p99_ms']:.1f}",
+                f"{m['max_ms']:.0f}",
+                f"{m['worker_p99_ms']:.1f}",
+                f"{m['worker_max_ms']:.0f}",
+                f"{m['stalls_50']:g}",
+                f"{m['stalls_200']:g}",
+                f"{m['adj_p99_ms']:.1f}",
+                f"{m['adj_max_ms']:.0f}",
+                f"{m['unresponsive']:g}",
+                format_bytes(m["rss_peak"]),
+                format_bytes(m["disk_peak"]),
+                format_bytes(m["spilled"]) if m["spilled"] else "-",
+            )
+        )
+    lines.append(
+        "lag in ms; p50/p99/max over all processes; wrk = worst worker; adj = worst "
+        "process after subtracting run-queue wait; RSS/disk = worst worker peak"
+    )
+    return "\n".join(lines)
+
+
+def warm_up(client: Client, impls: list[str]) -> None:
+    """Untimed small run of each implementation: imports and plugin registration first."""
+    w = rows_to_columns(8 * 2**20)
+    for impl in impls:
+        _, ok = workload_graph(impl, w)
+        if not client.compute(ok).result(timeout=300):
+            raise SystemExit(f"warm-up of {impl} produced a wrong result")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    impls = args.impls.split(",")
+    wls = workloads_for(args)
+    out = args.out or Path("integration/results") / time.strftime("bench-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "argv": sys.argv,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "workloads": [asdict(w) | {"summary": w.summary()} for w in wls],
+        "python": platform.python_version(),
+        "dask": dask.__version__,
+        "distributed": distributed.__version__,
+        "cpus": os.cpu_count(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    for w in wls:
+        print(w.summary(), flush=True)
+    runs: list[dict[str, Any]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="rechunk-bench-") as local_dir,
+        dask.config.set({"rechunk-p2p.storage": "disk"}),
+        LocalCluster(
+            n_workers=args.workers,
+            threads_per_worker=args.threads,
+            processes=True,
+            dashboard_address=":0",
+            local_directory=local_dir,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        warm_up(client, impls)
+        for rep in range(args.repeat):
+            for w in wls:
+                for impl in impls:
+                    run = run_one(client, impl, w, args) | {"repeat": rep}
+                    runs.append(run)
+                    h = headline(run) if run.get("ok") else {}
+                    print(
+                        f"[{rep}] {w.name:<18} {impl:<12} "
+                        + (
+                            f"wall {h['wall_s']:7.1f} s  p99 {h['p99_ms']:6.1f} ms  "
+                            f"max {h['max_ms']:7.1f} ms"
+                            if h
+                            else f"FAILED {run.get('error')}"
+                        ),
+                        flush=True,
+                    )
+                    _write(out, meta, runs)
+    meds = _write(out, meta, runs)
+    print(format_table(meds))
+    try:
+        from integration.bench_plot import plot
+
+        print("figure:", plot(out / "bench.json", out / "bench.png"))
+    except ImportError:
+        print("matplotlib not installed: no figure (pip install matplotlib)")
+    print("results:", out / "bench.json")
+    return 0
+
+
+def _write(out: Path, meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    meds = medians(runs)
+    doc = {
+        "meta": meta | {"finished": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "medians": meds,
+        "runs": runs,
+    }
+    (out / "bench.json").write_text(json.dumps(doc, default=str))
+    return meds
+
+
+if __name__ == "__main__":
+    sys.exit(main())
