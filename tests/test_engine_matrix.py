@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -327,3 +328,62 @@ async def test_stopped_mid_way_leaves_nothing_behind(c, s, a, b, how, storage):
     # and the same rechunk runs to the end afterwards
     check_result(await c.compute(y), arr)
     await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_released_while_unpacking_leaves_nothing_behind(c, s, a, b, storage):
+    """Stopped after the barrier, with output chunks still buffered on the workers."""
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 40).reshape(60, 40)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 40)), (60, 1))
+    fut = c.compute(y.map_blocks(_slow, dtype=y.dtype))
+    while not any(
+        ts.state == "memory" and ts.key[0] == y.name
+        for ts in s.tasks.values()
+        if isinstance(ts.key, tuple)
+    ):
+        await asyncio.sleep(0.005)
+    assert s.plugins[PLUGIN].active and not fut.done()
+    buffered = [
+        r.statistics().bytes_buffered for w in (a, b) for r in w.plugins[PLUGIN].runs.values()
+    ]
+    assert sum(buffered) > 0
+    await fut.cancel()
+    del fut
+    await assert_clean(s, a, b)
+    assert_storage_used(storage, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_cancelling_one_of_two_computations_sharing_a_rechunk(c, s, a, b):
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 40).reshape(60, 40)
+    x = da.from_array(arr, chunks=(1, 40)).map_blocks(_slow, dtype=arr.dtype)
+    y = rechunk_p2p.rechunk(x, (60, 1))
+    first = c.compute(y.sum(axis=0))
+    second = c.compute((y * 2).max(axis=0))
+    while not s.plugins[PLUGIN].active:
+        await asyncio.sleep(0.005)
+    await first.cancel()
+    np.testing.assert_array_equal(await second, (arr * 2).max(axis=0))
+    assert s.plugins[PLUGIN].runs_created == 1  # the run went on for the other computation
+    del first, second
+    await assert_clean(s, a, b)
+
+
+@pytest.mark.parametrize(("fraction", "expected"), [(0.25, "memory"), (1e-9, "disk")])
+@gen_cluster(
+    client=True,
+    nthreads=TWO,
+    worker_kwargs={"memory_limit": "2GiB"},
+    config={"rechunk-p2p.storage": "auto"},
+    allow_unclosed=False,
+)
+async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expected):
+    await rechunk_p2p.register(c)
+    arr = np.arange(40 * 30).reshape(40, 30)
+    x = da.from_array(arr, chunks=(1, 30))
+    with dask.config.set({"rechunk-p2p.storage-memory-fraction": fraction}):
+        check_result(await c.compute(rechunk_p2p.rechunk(x, (40, 3))), arr)
+    await assert_clean(s, a, b)
+    assert_storage_used(expected, a, b)
