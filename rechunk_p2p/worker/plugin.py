@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from rechunk_p2p.worker.run import RunStatistics, WorkerRun
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "rechunk-p2p"
+_CLOSED_IDS_KEPT = 10_000
 METADATA_KEY = "rechunk-p2p-dataplane"
 
 
@@ -61,6 +63,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self.offload: OffloadPool | None = None
         self._fetching: dict[str, asyncio.Future[WorkerRun]] = {}
         self._closed_totals = [0, 0, 0, 0]
+        # highest run id the scheduler closed, per shuffle id (bounded, oldest dropped first)
+        self._closed_run_ids: OrderedDict[str, int] = OrderedDict()
         self._background: set[asyncio.Future[None]] = set()
 
     def __reduce__(self) -> tuple:
@@ -134,7 +138,17 @@ class RechunkWorkerPlugin(WorkerPlugin):
             await self._close_run(old)
         run = self._new_run(run_spec)
         with self._lock:
-            self.runs[shuffle_id] = run
+            # the scheduler's close message may have overtaken its reply (it is recorded
+            # under the same lock): then the run is over before it started here
+            closed = run_spec.run_id <= self._closed_run_ids.get(shuffle_id, 0)
+            if not closed:
+                self.runs[shuffle_id] = run
+        if closed:
+            await run.close()
+            raise StaleRunError(
+                f"Run {run_spec.run_id} of rechunk {shuffle_id} was closed before "
+                f"{self.worker.address} joined it"
+            )
         return run
 
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
@@ -223,6 +237,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def _close_handler(self, shuffle_id: str, run_id: int, reason: str = "") -> None:
         with self._lock:
             run = self.runs.get(shuffle_id)
+            closed = self._closed_run_ids.pop(shuffle_id, 0)
+            self._closed_run_ids[shuffle_id] = max(closed, run_id)
+            if len(self._closed_run_ids) > _CLOSED_IDS_KEPT:
+                self._closed_run_ids.popitem(last=False)
         if run is not None and run.run_id <= run_id:
             logger.debug("Closing %r: %s", run, reason)
             task = asyncio.ensure_future(self._close_run(run))
