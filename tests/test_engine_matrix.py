@@ -387,3 +387,37 @@ async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expe
         check_result(await c.compute(rechunk_p2p.rechunk(x, (40, 3))), arr)
     await assert_clean(s, a, b)
     assert_storage_used(expected, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_close_overtaking_the_run_reply_leaves_nothing_behind(c, s, a, b):
+    """The scheduler closes a run while its reply to one worker is still on the way: the
+    close message arrives first, and the late reply must not open the run there."""
+    await rechunk_p2p.register(c)
+    get_or_create = b.scheduler.rechunk_p2p_get_or_create
+    replied, release = asyncio.Event(), asyncio.Event()
+
+    async def delayed_reply(**kwargs):
+        response = await get_or_create(**kwargs)
+        replied.set()
+        await release.wait()
+        return response
+
+    b.scheduler.rechunk_p2p_get_or_create = delayed_reply  # injects the delay on b only
+    arr = np.arange(60 * 40).reshape(60, 40)
+    x = da.from_array(arr, chunks=(1, 40)).map_blocks(_slow, dtype=arr.dtype)
+    y = rechunk_p2p.rechunk(x, (60, 1))
+    fut = c.compute(y)
+    await replied.wait()
+    (run,) = s.plugins[PLUGIN].active.values()
+    assert b.address in run.participants
+    await fut.cancel()
+    del fut
+    while s.plugins[PLUGIN].active:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # let the close message reach b
+    release.set()
+    await assert_clean(s, a, b)
+    b.scheduler.rechunk_p2p_get_or_create = get_or_create
+    check_result(await c.compute(y), arr)
+    await assert_clean(s, a, b)
