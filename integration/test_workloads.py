@@ -1,0 +1,71 @@
+"""The workloads' own checks can fail: wrong data, wrong placement, wrong sizes (no cluster)."""
+
+from __future__ import annotations
+
+import dask
+import numpy as np
+import pytest
+
+from integration.workloads import (
+    DEFAULT_BYTES,
+    all_workloads,
+    checked,
+    expected_block,
+    many_small,
+    rows_to_columns,
+    size_from_env,
+    source_array,
+    time_to_space,
+    workload_graph,
+)
+
+
+@pytest.fixture(autouse=True)
+def _sync_scheduler():
+    with dask.config.set(scheduler="sync"):
+        yield
+
+
+def test_check_accepts_a_correct_rechunk_and_rejects_wrong_ones() -> None:
+    w = time_to_space(2 * 2**20)
+    x = source_array(w)
+    assert checked(x.rechunk(w.target_chunks, method="tasks"), w).compute()
+    # A moved element, a swapped pair of time steps and a cast all fail the check.
+    bad = x.rechunk(w.target_chunks).copy()
+    assert not checked(bad.map_blocks(lambda b: np.roll(b, 1, axis=0)), w).compute()
+    swapped = x[[1, 0, *range(2, w.shape[0])]].rechunk(w.target_chunks)
+    assert not checked(swapped, w).compute()
+    assert not checked(x.astype("float64").rechunk(w.target_chunks), w).compute()
+
+
+def test_values_are_distinct_and_exact() -> None:
+    block = expected_block((64, 64), [(0, 64), (0, 64)], "float32")
+    assert len(np.unique(block)) == block.size
+    assert np.array_equal(block, block.astype(np.int64))
+
+
+def test_workload_shapes() -> None:
+    w = many_small(DEFAULT_BYTES["many"])
+    assert w.n_source_chunks >= 10_000 and w.n_target_chunks >= 10_000
+    assert np.prod(w.source_chunks) * 8 == 64 * 2**10
+    a = rows_to_columns(DEFAULT_BYTES["2d"])
+    assert a.source_chunks[1] == a.shape[1] and a.target_chunks[0] == a.shape[0]
+    b = time_to_space(DEFAULT_BYTES["3d"])
+    assert b.source_chunks[0] == 1 and b.target_chunks[0] == b.shape[0]
+    assert [x.name for x in all_workloads()] == [a.name, b.name, w.name]
+
+
+def test_sizes_from_environment() -> None:
+    assert size_from_env({"RECHUNK_P2P_BENCH_SIZE": "1.5GiB"})["many"] == int(1.5 * 2**30)
+    assert size_from_env({"RECHUNK_P2P_BENCH_SCALE": "2"})["2d"] == 2 * DEFAULT_BYTES["2d"]
+    assert size_from_env({}) == DEFAULT_BYTES
+
+
+def test_graph_rejects_wrong_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECHUNK_P2P_STANDIN", "tasks")
+    w = rows_to_columns(2**20)
+    y, ok = workload_graph("rechunk_p2p", w)
+    assert ok.compute()
+    assert y.chunks[1] == (w.target_chunks[1],) * (w.shape[1] // w.target_chunks[1])
+    with pytest.raises(ValueError, match="unknown implementation"):
+        workload_graph("nope", w)
