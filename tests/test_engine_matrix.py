@@ -12,6 +12,7 @@ Several cases share one cluster where they need the same one, to keep the run sh
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import dask
@@ -421,3 +422,39 @@ async def test_close_overtaking_the_run_reply_leaves_nothing_behind(c, s, a, b):
     b.scheduler.rechunk_p2p_get_or_create = get_or_create
     check_result(await c.compute(y), arr)
     await assert_clean(s, a, b)
+
+
+_GATE = threading.Event()  # gen_cluster workers run in this process
+
+
+def _gated(block):
+    assert _GATE.wait(20)
+    return block
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_outputs_requested_while_the_run_is_on(c, s, a, b):
+    """A second computation asks for outputs the first one culled, while the run is active:
+    its unpack tasks were not pinned when the run started, and still find their shards."""
+    await rechunk_p2p.register(c)
+    _GATE.clear()
+    arr = np.arange(40 * 40).reshape(40, 40)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 40)), (40, 1))
+    # the worker owning these outputs soon waits at the gate, with more unpacks to run
+    first = c.compute(y[:, :20].map_blocks(_gated, meta=np.empty((0, 0), y.dtype)))
+    while not any(ts.state == "memory" and ts.key[0] == y.name for ts in _tuple_tasks(s)):
+        await asyncio.sleep(0.005)
+    second = c.compute(y)
+    while not any(ts.key == (y.name, 0, 39) for ts in _tuple_tasks(s)):
+        await asyncio.sleep(0.005)
+    assert s.plugins[PLUGIN].active
+    _GATE.set()
+    check_result(await second, arr)
+    check_result(await first, arr[:, :20])
+    assert s.plugins[PLUGIN].runs_created == 1
+    del first, second
+    await assert_clean(s, a, b)
+
+
+def _tuple_tasks(s):
+    return [ts for ts in s.tasks.values() if isinstance(ts.key, tuple)]
