@@ -8,14 +8,16 @@ Usage::
     PYTHONPATH=. .venv/bin/python -m integration.bench --size 1.5GiB --repeat 3
     python -m integration.bench --workloads 2d,3d --impls rechunk_p2p,dask-p2p
 
-Implementations alternate inside each repeat (A B C A B C ...), each run on freshly
-restarted workers (so peak RSS is per run). Writes ``bench.json`` and, when matplotlib is
-installed, ``bench.png`` to ``--out`` and prints a table of medians across repeats.
+Implementations alternate inside each repeat (A B C A B C ...), each run on a fresh
+cluster (so peak RSS is per run) after an untimed warm-up of the same implementation.
+Writes ``bench.json`` and, when matplotlib is installed, ``bench.png`` to ``--out`` and
+prints a table of medians across repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -23,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -59,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma list, in run order")
     p.add_argument("--interval", default="5ms", help="loop-lag probe interval")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before giving up")
-    p.add_argument("--no-restart", action="store_true", help="do not restart workers between runs")
+    p.add_argument(
+        "--reuse-cluster", action="store_true", help="one cluster for all runs (no fresh workers)"
+    )
     p.add_argument("--out", type=Path, default=None, help="output directory")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
@@ -89,10 +94,25 @@ def _spilled(client: Client, impl: str) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def cluster_client(args: argparse.Namespace, local_dir: str) -> Iterator[Client]:
+    """A local cluster of ``args.workers`` processes, rechunk_p2p buffering on disk."""
+    with (
+        dask.config.set({"rechunk-p2p.storage": "disk"}),
+        LocalCluster(
+            n_workers=args.workers,
+            threads_per_worker=args.threads,
+            processes=True,
+            dashboard_address=":0",
+            local_directory=local_dir,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+
+
 def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """One timed, measured, checked run; never raises for a failed run (records it)."""
-    if not args.no_restart:
-        client.restart()
     pids, dirs = _worker_info(client)
     spilled0 = _spilled(client, impl)
     out: dict[str, Any] = {"impl": impl, "workload": w.name, "load_before": os.getloadavg()[0]}
@@ -102,7 +122,9 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         return {**out, "ok": False, "error": f"{type(e).__name__}: {e}"}
     with ResourceSampler(pids, dirs) as sampler:
         t0 = time.perf_counter()
-        with measure_event_loops(client, args.interval, timeline_points=1000) as probe:
+        with measure_event_loops(
+            client, args.interval, timeline_points=1000, capture_stacks="100ms"
+        ) as probe:
             future = client.compute(ok)
             try:
                 result, error = bool(future.result(timeout=args.timeout)), None
