@@ -54,7 +54,7 @@ async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storag
 
     async def send_then_lose_ack(self, address, shuffle_id, run_id, shards):
         await original(self, address, shuffle_id, run_id, shards)
-        ident = (address, tuple((o, i) for o, i, _ in shards))
+        ident = (address, tuple((p.outputs, p.inputs) for p in shards))
         if ident not in failed:
             failed.add(ident)
             raise OSError("injected: ack lost")

@@ -1,7 +1,8 @@
-"""The send side of a run: batches shards per destination and sends them with back-pressure.
+"""The send side of a run: batches packed shards per destination, sends with back-pressure.
 
-Where it runs: the data plane's event loop. Shards arrive already cut and contiguous (task
-threads do that); this module only queues, batches and awaits sends.
+Where it runs: the data plane's event loop. Shards arrive already cut and packed (task threads
+do that, see :mod:`rechunk_p2p.buffers.wire`); this module only queues, batches and awaits
+sends.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from rechunk_p2p.buffers.base import Shard
 from rechunk_p2p.buffers.limiter import ByteLimiter
+from rechunk_p2p.buffers.wire import Packed
 
 logger = logging.getLogger(__name__)
 
-SendFn = Callable[[str, list[Shard]], Awaitable[None]]
+SendFn = Callable[[str, list[Packed]], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,19 +47,19 @@ class CommStatistics:
 
 
 class CommBuffer:
-    """**Loop-confined.** Per-destination queues of shards, sent in bounded batches.
+    """**Loop-confined.** Per-destination queues of packed shards, sent in bounded batches.
 
     Parameters
     ----------
     send
-        ``await send(address, shards)`` delivers one batch; it raises ``OSError`` on transient
-        comm errors (retried) and anything else on permanent ones.
+        ``await send(address, batch)`` delivers one batch of :class:`Packed`; it raises
+        ``OSError`` on transient comm errors (retried) and anything else on permanent ones.
     limiter
         Shared byte limit of everything queued on this worker; ``put`` waits on it.
     concurrency
         Shared bound of sends in flight on this worker.
     message_bytes
-        Largest batch sent in one message (a single larger shard is sent alone).
+        Largest batch sent in one message (a single larger item is sent alone).
     retry
         Retry policy for transient errors.
     """
@@ -76,7 +77,7 @@ class CommBuffer:
         self._concurrency = concurrency
         self._message_bytes = message_bytes
         self._retry = retry
-        self._queues: defaultdict[str, deque[tuple[Shard, int]]] = defaultdict(deque)
+        self._queues: defaultdict[str, deque[tuple[Packed, int]]] = defaultdict(deque)
         self._drainers: dict[str, asyncio.Task[None]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -87,19 +88,18 @@ class CommBuffer:
         self._messages = 0
         self._retries = 0
 
-    async def put(self, batches: dict[str, list[Shard]]) -> None:
-        """Queue shards per destination; waits while the worker's send buffer is full."""
-        for address, shards in batches.items():
-            for shard in shards:
+    async def put(self, batches: dict[str, Packed]) -> None:
+        """Queue packed shards per destination; waits while the worker's send buffer is full."""
+        for address, packed in batches.items():
+            self._raise_if_unusable()
+            nbytes = packed.nbytes
+            await self._limiter.acquire(nbytes)
+            if self._closed:
+                await self._limiter.release(nbytes)
                 self._raise_if_unusable()
-                nbytes = shard[2].nbytes
-                await self._limiter.acquire(nbytes)
-                if self._closed:
-                    await self._limiter.release(nbytes)
-                    self._raise_if_unusable()
-                self._queues[address].append((shard, nbytes))
-                self._bytes_queued += nbytes
-                self._ensure_drainer(address)
+            self._queues[address].append((packed, nbytes))
+            self._bytes_queued += nbytes
+            self._ensure_drainer(address)
 
     def _raise_if_unusable(self) -> None:
         if self._exception is not None:
@@ -135,21 +135,21 @@ class CommBuffer:
             if not self._drainers:
                 self._idle.set()
 
-    def _take_batch(self, queue: deque[tuple[Shard, int]]) -> tuple[list[Shard], int]:
+    def _take_batch(self, queue: deque[tuple[Packed, int]]) -> tuple[list[Packed], int]:
         batch, total = [], 0
         while queue and (not batch or total + queue[0][1] <= self._message_bytes):
-            shard, nbytes = queue.popleft()
-            batch.append(shard)
+            item, nbytes = queue.popleft()
+            batch.append(item)
             total += nbytes
         return batch, total
 
-    async def _drop(self, queue: deque[tuple[Shard, int]]) -> None:
+    async def _drop(self, queue: deque[tuple[Packed, int]]) -> None:
         dropped = sum(nbytes for _, nbytes in queue)
         queue.clear()
         self._bytes_queued -= dropped
         await self._limiter.release(dropped)
 
-    async def _send_with_retries(self, address: str, batch: list[Shard]) -> None:
+    async def _send_with_retries(self, address: str, batch: list[Packed]) -> None:
         attempt = 0
         while True:
             try:

@@ -20,13 +20,13 @@ from distributed.comm.addressing import get_address_host, parse_address
 from distributed.core import ConnectionPool, error_message
 from distributed.protocol import to_serialize
 
-from rechunk_p2p.buffers.base import Shard
 from rechunk_p2p.buffers.limiter import ByteLimiter
+from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.offload import LoopThread, from_thread
 
 logger = logging.getLogger(__name__)
 
-ReceiveFn = Callable[[str, int, list[Shard]], Awaitable[None]]
+ReceiveFn = Callable[[str, int, list[Packed]], Awaitable[None]]
 SHARDS_OP = "rechunk_p2p_shards"
 
 
@@ -42,7 +42,7 @@ class DataPlane:
     security
         The worker's :class:`distributed.Security`.
     receive
-        ``await receive(shuffle_id, run_id, shards)``, run on this loop for every message.
+        ``await receive(shuffle_id, run_id, batch)``, run on this loop for every message.
     buffer_bytes
         Bytes queued for sending before transfer tasks are held back.
     concurrency
@@ -111,15 +111,18 @@ class DataPlane:
         if self._pool is not None:
             await self._pool.close()
 
-    async def send(self, address: str, shuffle_id: str, run_id: int, shards: list[Shard]) -> None:
-        """Deliver one batch of shards to the data plane at ``address`` and await its ack."""
+    async def send(self, address: str, shuffle_id: str, run_id: int, batch: list[Packed]) -> None:
+        """Deliver one batch of packed shards to the data plane at ``address``; await its ack.
+
+        Each :class:`Packed` travels as a small header and one frame, so the cost on this loop
+        does not grow with the number of shards.
+        """
         assert self._pool is not None
         await self._pool(address).rechunk_p2p_shards(
             shuffle_id=shuffle_id,
             run_id=run_id,
-            outputs=[s[0] for s in shards],
-            inputs=[s[1] for s in shards],
-            arrays=[to_serialize(s[2]) for s in shards],
+            headers=[p.header() for p in batch],
+            payloads=[to_serialize(p.payload) for p in batch],
         )
 
     async def _handle_comm(self, comm: Any) -> None:
@@ -142,8 +145,8 @@ class DataPlane:
         if op != SHARDS_OP:
             return error_message(ValueError(f"Unknown data plane operation {op!r}"))
         try:
-            shards = list(zip(msg["outputs"], msg["inputs"], msg["arrays"]))
-            await self._receive(msg["shuffle_id"], msg["run_id"], shards)
+            batch = [Packed.from_message(h, p) for h, p in zip(msg["headers"], msg["payloads"])]
+            await self._receive(msg["shuffle_id"], msg["run_id"], batch)
         except Exception as e:
             return error_message(e)
         return {"status": "OK"}

@@ -20,8 +20,9 @@ from distributed import WorkerPlugin
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
-from rechunk_p2p.buffers.base import Shard, make_store
+from rechunk_p2p.buffers.base import make_store
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
+from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import ClusterError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread
 from rechunk_p2p.spec import RunSpec
@@ -163,8 +164,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         )
         shuffle_id, run_id, dataplane = run_spec.id, run_spec.run_id, self.dataplane
 
-        async def send(address: str, shards: list[Shard]) -> None:
-            await dataplane.send(address, shuffle_id, run_id, shards)
+        async def send(address: str, batch: list[Packed]) -> None:
+            await dataplane.send(address, shuffle_id, run_id, batch)
 
         comm = CommBuffer(
             send,
@@ -206,7 +207,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     # --- handlers -------------------------------------------------------------------------
 
-    async def receive(self, shuffle_id: str, run_id: int, shards: list[Shard]) -> None:
+    async def receive(self, shuffle_id: str, run_id: int, batch: list[Packed]) -> None:
         """On the data plane loop: store shards that another worker sent."""
         with self._lock:
             run = self.runs.get(shuffle_id)
@@ -219,7 +220,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 f"Shards for run {run_id} of rechunk {shuffle_id} reached "
                 f"{self.worker.address}, which runs run {run.run_id}"
             )
-        await run.receive(shards)
+        await run.receive(batch)
 
     async def _inputs_done(self, shuffle_id: str, run_id: int) -> None:
         """The barrier: every input was cut; flush this worker's sends."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import Shard, ShardStore
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
+from rechunk_p2p.buffers.wire import Packed, pack_blocking, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
 from rechunk_p2p.spec import RunSpec
@@ -148,7 +149,7 @@ class WorkerRun:
 
     def _cut_blocking(
         self, flat: int, data: np.ndarray
-    ) -> tuple[list[Shard], dict[str, list[Shard]]]:
+    ) -> tuple[list[Shard], dict[str, Packed]]:
         spec = self.run_spec
         copy_local = self.storage == "memory"
         local: list[Shard] = []
@@ -156,12 +157,14 @@ class WorkerRun:
         for out, slices in spec.spec.partial.shards_of_input(flat):
             view = data[slices]
             if spec.worker_for(out) == self.worker_address:
-                # the memory store keeps what it gets: copy, so the input chunk can be freed
-                shard = np.array(view, order="C") if copy_local else np.ascontiguousarray(view)
+                # the memory store keeps what it gets: copy, so the input chunk can be freed;
+                # the disk store copies views into its file itself
+                shard = np.array(view, order="C") if copy_local else view
                 local.append((out, flat, shard))
             else:
-                remote[spec.dataplane_for(out)].append((out, flat, np.ascontiguousarray(view)))
-        return local, dict(remote)
+                remote[spec.dataplane_for(out)].append((out, flat, view))
+        dtype = spec.spec.dtype
+        return local, {addr: pack_blocking(shards, dtype) for addr, shards in remote.items()}
 
     def get_output_blocking(self, flat: int) -> np.ndarray:
         """Assemble output chunk ``flat`` from its shards. Runs in a task thread."""
@@ -185,12 +188,18 @@ class WorkerRun:
 
     # --- data plane loop ----------------------------------------------------------------------
 
-    async def receive(self, shards: list[Shard]) -> None:
-        """Store shards that arrived from another worker (the write runs on the offload pool)."""
+    async def receive(self, batch: list[Packed]) -> None:
+        """Store shards that arrived from another worker (unpacked and written on the pool)."""
         self._raise_if_closed()
-        nbytes = await self._offload.to_thread(self._store.write_blocking, shards)
+        nbytes = await self._offload.to_thread(self._store_packed_blocking, batch)
         with self._lock:
             self._bytes_received += nbytes
+
+    def _store_packed_blocking(self, batch: list[Packed]) -> int:
+        dtype = self.run_spec.spec.dtype
+        return self._store.write_blocking(
+            shard for packed in batch for shard in unpack_blocking(packed, dtype)
+        )
 
     # --- worker loop --------------------------------------------------------------------------
 

@@ -10,12 +10,25 @@ from distributed.utils_test import gen_test
 
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.limiter import ByteLimiter
+from rechunk_p2p.buffers.wire import Packed, pack_blocking
 
 NO_RETRY_DELAY = RetryPolicy(count=3, delay_min=0.001, delay_max=0.002)
 
 
-def shard(out: int, inp: int, nbytes: int = 100) -> tuple[int, int, np.ndarray]:
-    return (out, inp, np.full(nbytes, inp % 256, dtype="u1"))
+def shard(out: int, inp: int, nbytes: int = 100) -> Packed:
+    """One packed shard of ``nbytes`` bytes."""
+    return pack_blocking([(out, inp, np.full(nbytes, inp % 256, dtype="u1"))], np.dtype("u1"))
+
+
+def put_all(comm: CommBuffer, items: dict[str, list[Packed]]):
+    """Queue every item, one ``put`` per item (as many transfer tasks would)."""
+
+    async def run():
+        for address, packed in items.items():
+            for p in packed:
+                await comm.put({address: p})
+
+    return run()
 
 
 class Recorder:
@@ -53,11 +66,13 @@ def make(send, limit=10_000, concurrency=2, message_bytes=250, retry=NO_RETRY_DE
 async def test_batches_respect_message_size_and_deliver_everything():
     send = Recorder()
     comm, limiter = make(send)
-    await comm.put({"a": [shard(0, i) for i in range(10)], "b": [shard(1, i) for i in range(3)]})
+    await put_all(
+        comm, {"a": [shard(0, i) for i in range(10)], "b": [shard(1, i) for i in range(3)]}
+    )
     await comm.flush()
-    delivered = {(addr, s[1]) for addr, batch in send.batches for s in batch}
+    delivered = {(addr, p.inputs[0]) for addr, batch in send.batches for p in batch}
     assert delivered == {("a", i) for i in range(10)} | {("b", i) for i in range(3)}
-    assert all(sum(s[2].nbytes for s in batch) <= 250 for _, batch in send.batches)
+    assert all(sum(p.nbytes for p in batch) <= 250 for _, batch in send.batches)
     assert limiter.used == 0
     stats = comm.statistics()
     assert stats.bytes_sent == 1300 and stats.bytes_queued == 0
@@ -68,7 +83,7 @@ async def test_batches_respect_message_size_and_deliver_everything():
 async def test_oversized_shard_is_sent_alone():
     send = Recorder()
     comm, limiter = make(send, limit=500, message_bytes=250)
-    await comm.put({"a": [shard(0, 0, 1000), shard(0, 1, 10)]})
+    await put_all(comm, {"a": [shard(0, 0, 1000), shard(0, 1, 10)]})
     await comm.flush()
     assert [len(b) for _, b in send.batches] == [1, 1]
     assert limiter.used == 0
@@ -79,7 +94,7 @@ async def test_concurrency_is_bounded():
     send = Recorder()
     send.release.clear()
     comm, _ = make(send, concurrency=2)
-    await comm.put({addr: [shard(0, 0)] for addr in "abcdef"})
+    await put_all(comm, {addr: [shard(0, 0)] for addr in "abcdef"})
     await asyncio.sleep(0.05)
     assert send.in_flight == 2
     send.release.set()
@@ -93,9 +108,9 @@ async def test_put_waits_while_buffer_is_full():
     send = Recorder()
     send.release.clear()
     comm, limiter = make(send, limit=300, message_bytes=100)
-    await comm.put({"a": [shard(0, i) for i in range(3)]})
+    await put_all(comm, {"a": [shard(0, i) for i in range(3)]})
     assert limiter.used == 300
-    blocked = asyncio.ensure_future(comm.put({"a": [shard(0, 3)]}))
+    blocked = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 3)]}))
     await asyncio.sleep(0.05)
     assert not blocked.done()
     send.release.set()
@@ -109,7 +124,7 @@ async def test_put_waits_while_buffer_is_full():
 async def test_transient_errors_are_retried():
     send = Recorder(fail_times=2)
     comm, _ = make(send)
-    await comm.put({"a": [shard(0, 0)]})
+    await put_all(comm, {"a": [shard(0, 0)]})
     await comm.flush()
     assert len(send.batches) == 1
     assert comm.statistics().retries == 2
@@ -119,11 +134,11 @@ async def test_transient_errors_are_retried():
 async def test_too_many_errors_fail_flush_and_later_puts():
     send = Recorder(fail_times=100)
     comm, limiter = make(send)
-    await comm.put({"a": [shard(0, i) for i in range(5)]})
+    await put_all(comm, {"a": [shard(0, i) for i in range(5)]})
     with pytest.raises(OSError, match="injected"):
         await comm.flush()
     with pytest.raises(OSError, match="injected"):
-        await comm.put({"a": [shard(0, 9)]})
+        await put_all(comm, {"a": [shard(0, 9)]})
     assert limiter.used == 0
 
 
@@ -131,7 +146,7 @@ async def test_too_many_errors_fail_flush_and_later_puts():
 async def test_permanent_errors_are_not_retried():
     send = Recorder(fail_times=1, error=ValueError)
     comm, _ = make(send)
-    await comm.put({"a": [shard(0, 0)]})
+    await put_all(comm, {"a": [shard(0, 0)]})
     with pytest.raises(ValueError, match="injected"):
         await comm.flush()
     assert comm.statistics().retries == 0
@@ -142,12 +157,12 @@ async def test_close_drops_queue_and_releases_bytes():
     send = Recorder()
     send.release.clear()
     comm, limiter = make(send, concurrency=1, message_bytes=100)
-    await comm.put({"a": [shard(0, i) for i in range(5)]})
+    await put_all(comm, {"a": [shard(0, i) for i in range(5)]})
     assert limiter.used == 500
     await comm.close()
     assert limiter.used == 0
     with pytest.raises(RuntimeError, match="closed"):
-        await comm.put({"a": [shard(0, 7)]})
+        await put_all(comm, {"a": [shard(0, 7)]})
 
 
 @gen_test()

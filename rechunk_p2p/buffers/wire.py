@@ -1,0 +1,90 @@
+"""Packing many shards into one buffer for the wire, and unpacking them again.
+
+Where it runs: task threads (``pack_blocking``) and the offload pool (``unpack_blocking``);
+never on an event loop. Packing turns every shard bound for one worker into one header of
+small integers and one contiguous payload, so that sending and receiving cost the data plane's
+loop the same few operations whatever the number of shards.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+
+from rechunk_p2p.buffers.base import Shard
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """**Immutable.** Shards of one sender for one destination, as header and payload.
+
+    ``outputs[i]``, ``inputs[i]`` and ``shapes[i]`` describe shard ``i``; its elements lie
+    in ``payload`` (raw bytes, one shard after another; pickled arrays for object dtype).
+    """
+
+    outputs: tuple[int, ...]
+    inputs: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    payload: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+    def header(self) -> dict:
+        """The small part of the message (msgpack-friendly lists)."""
+        return {
+            "outputs": list(self.outputs),
+            "inputs": list(self.inputs),
+            "shapes": [list(s) for s in self.shapes],
+        }
+
+    @classmethod
+    def from_message(cls, header: dict, payload: np.ndarray) -> Packed:
+        return cls(
+            tuple(header["outputs"]),
+            tuple(header["inputs"]),
+            tuple(tuple(s) for s in header["shapes"]),
+            payload,
+        )
+
+
+def pack_blocking(shards: list[Shard], dtype: np.dtype) -> Packed:
+    """Copy shards into one contiguous payload (pickled for object dtype)."""
+    outputs = tuple(s[0] for s in shards)
+    inputs = tuple(s[1] for s in shards)
+    shapes = tuple(s[2].shape for s in shards)
+    if dtype.hasobject:
+        data = pickle.dumps([s[2] for s in shards], protocol=5)
+        return Packed(outputs, inputs, shapes, np.frombuffer(data, dtype="u1"))
+    itemsize = dtype.itemsize
+    payload = np.empty(sum(s[2].size for s in shards) * itemsize, dtype="u1")
+    offset = 0
+    for _, _, arr in shards:
+        n = arr.size * itemsize
+        if n:
+            dst = payload[offset : offset + n].view(dtype).reshape(arr.shape)
+            np.copyto(dst, arr, casting="equiv")
+        offset += n
+    return Packed(outputs, inputs, shapes, payload)
+
+
+def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
+    """The shards of a packed batch, as arrays viewing its payload (no copy)."""
+    if dtype.hasobject:
+        arrays = pickle.loads(packed.payload.tobytes())
+        return list(zip(packed.outputs, packed.inputs, arrays))
+    shards: list[Shard] = []
+    offset = 0
+    itemsize = dtype.itemsize
+    for out, inp, shape in zip(packed.outputs, packed.inputs, packed.shapes):
+        count = int(np.prod(shape, dtype=np.int64))
+        n = count * itemsize
+        arr = packed.payload[offset : offset + n].view(dtype).reshape(shape)
+        shards.append((out, inp, arr))
+        offset += n
+    if offset != packed.nbytes:
+        raise ValueError(f"Packed payload has {packed.nbytes} bytes, its shards {offset}")
+    return shards

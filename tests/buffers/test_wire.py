@@ -1,0 +1,110 @@
+"""Packing shards into one payload and back: every dtype, views, empty and 0-d shards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from rechunk_p2p.buffers.wire import Packed, pack_blocking, unpack_blocking
+
+DTYPES = [
+    "f8",
+    "f4",
+    "i8",
+    ">i4",
+    "u2",
+    "c16",
+    "?",
+    "M8[ns]",
+    "m8[s]",
+    "S5",
+    "U3",
+    [("a", "i4"), ("b", "f8", (2,))],
+    "O",
+]
+
+
+def sample(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    n = int(np.prod(shape))
+    if dtype.kind == "O":
+        flat = np.empty(n, dtype=object)
+        flat[:] = [{"i": i, "s": "x" * (i % 3)} for i in range(n)]
+        return flat.reshape(shape)
+    raw = np.arange(n * dtype.itemsize, dtype="u1") % 251
+    return raw.view(dtype).reshape(shape)
+
+
+def assert_same(shards, back):
+    assert len(shards) == len(back)
+    for (o, i, a), (o2, i2, b) in zip(shards, back):
+        assert (o, i) == (o2, i2)
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_roundtrip_every_dtype(dtype):
+    dtype = np.dtype(dtype)
+    x = sample(dtype, (6, 7))
+    shards = [
+        (0, 1, x[1:4, ::2]),  # a strided view
+        (2, 3, x[:, :0]),  # no elements
+        (4, 5, x[0, 0:1].reshape(())),  # 0-d
+        (6, 7, np.ascontiguousarray(x[::-1])),
+    ]
+    packed = pack_blocking(shards, dtype)
+    back = unpack_blocking(packed, dtype)
+    assert_same(shards, back)
+    if dtype.kind != "O":
+        assert packed.nbytes == sum(s[2].size for s in shards) * dtype.itemsize
+        assert all(b.dtype == dtype for _, _, b in back)
+
+
+def test_unpacked_arrays_view_the_payload_without_copying():
+    x = np.arange(100.0).reshape(10, 10)
+    packed = pack_blocking([(0, 0, x[:5]), (1, 0, x[5:])], x.dtype)
+    back = unpack_blocking(packed, x.dtype)
+    assert all(np.shares_memory(b, packed.payload) for _, _, b in back)
+
+
+def test_message_header_roundtrip():
+    x = np.arange(12, dtype="i2").reshape(3, 4)
+    packed = pack_blocking([(3, 9, x[:, 1:3])], x.dtype)
+    again = Packed.from_message(packed.header(), packed.payload)
+    assert again == packed or (again.outputs, again.inputs, again.shapes) == (
+        packed.outputs,
+        packed.inputs,
+        packed.shapes,
+    )
+    np.testing.assert_array_equal(unpack_blocking(again, x.dtype)[0][2], x[:, 1:3])
+
+
+def test_truncated_payload_is_detected():
+    x = np.arange(10.0)
+    packed = pack_blocking([(0, 0, x)], x.dtype)
+    broken = Packed(packed.outputs, packed.inputs, ((11,),), packed.payload)
+    with pytest.raises(ValueError):
+        unpack_blocking(broken, x.dtype)
+
+
+DTYPE_CHOICES = [np.dtype("f8"), np.dtype("i1"), np.dtype("c8"), np.dtype("S2")]
+
+
+@st.composite
+def same_dtype_arrays(draw):
+    dtype = draw(st.sampled_from(DTYPE_CHOICES))
+    shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
+    return draw(st.lists(hnp.arrays(dtype=dtype, shape=shapes), min_size=1, max_size=6))
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays=same_dtype_arrays())
+def test_roundtrip_random_shapes(arrays):
+    dtype = arrays[0].dtype
+    shards = [(k, 2 * k, a) for k, a in enumerate(arrays)]
+    back = unpack_blocking(pack_blocking(shards, dtype), dtype)
+    for (_, _, a), (_, _, b) in zip(shards, back):
+        np.testing.assert_array_equal(a, b)
