@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from rechunk_p2p.diagnostics import gc_pauses
 from rechunk_p2p.diagnostics.loop_stats import LagAccumulator, summarise
 from rechunk_p2p.diagnostics.stall_causes import CauseTracker, StallWatchdog
 
@@ -145,6 +146,7 @@ class _LoopProbe:
         self.interval = interval_s
         self.acc = LagAccumulator(max_samples)
         self.causes = CauseTracker(interval_s)
+        self.gc = gc_pauses.watch()
         self.loop = asyncio.get_running_loop()
         self.watchdog = (
             StallWatchdog(threading.get_ident(), stack_threshold_s) if stack_threshold_s else None
@@ -197,6 +199,7 @@ class _LoopProbe:
         _release_filter()
         stacks = self.watchdog.stop() if self.watchdog is not None else {}
         self.causes.close()
+        gc_pauses.unwatch(self.gc)
         core = sys.modules.get("distributed.core")
         wire = summarise(self.acc, timeline_points, self.loop.time() - self.started)
         wire["signals"] = {
@@ -208,7 +211,7 @@ class _LoopProbe:
             "unresponsive_max_s": longest if n_unresp > self._n_unresp0 else 0.0,
             "tick_limit_s": float(getattr(core, "tick_maximum_delay", float("nan"))),
         }
-        wire["causes"] = self.causes.wire(stacks)
+        wire["causes"] = self.causes.wire(stacks) | self.gc.wire()
         return wire
 
 
@@ -268,4 +271,5 @@ def active_probes(dask_worker: Any = None, dask_scheduler: Any = None) -> dict[s
         "probes": sorted(f"{t}|{a}" for t, a in _PROBES),
         "filter": _FILTER is not None,
         "logger_filters": sum(isinstance(f, _UnresponsiveFilter) for f in log.filters),
+        "gc_callback": gc_pauses.installed(),
     }

@@ -11,7 +11,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import captured_logger, gen_cluster
 
-from rechunk_p2p.diagnostics import loop_probe, measure_event_loops
+from rechunk_p2p.diagnostics import gc_pauses, loop_probe, measure_event_loops
 from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkTypeError
 
 
@@ -45,6 +45,7 @@ async def test_gen_cluster_shared_loop(c, s, a, b) -> None:
     assert report.overall.samples == sum(x.samples for x in report.per_process.values())
     assert not loop_probe._PROBES
     assert loop_probe._FILTER is None
+    assert not gc_pauses.installed()
 
 
 @gen_cluster(client=True, config={"distributed.admin.tick.interval": "20ms"})
@@ -80,6 +81,7 @@ async def test_failed_start_cleans_up(c, s, a, monkeypatch) -> None:
             pass
     assert not loop_probe._PROBES
     assert loop_probe._FILTER is None
+    assert not gc_pauses.installed()
 
 
 @gen_cluster(client=True)
@@ -96,6 +98,7 @@ async def test_worker_leaving_is_reported_missing(c, s, a, b) -> None:
         await asyncio.sleep(0.01)
     assert not loop_probe._PROBES
     assert loop_probe._FILTER is None
+    assert not gc_pauses.installed()
 
 
 def test_threaded_local_cluster() -> None:
@@ -112,3 +115,4 @@ def test_threaded_local_cluster() -> None:
         assert all(x.samples > 5 for x in probe.report.per_process.values())
         assert not loop_probe._PROBES
         assert loop_probe._FILTER is None
+    assert not gc_pauses.installed()

@@ -24,7 +24,8 @@ def _spin(seconds: float) -> None:
 
 
 def _clean(holdings: dict) -> bool:
-    return all(h == {"probes": [], "filter": False, "logger_filters": 0} for h in holdings.values())
+    empty = {"probes": [], "filter": False, "logger_filters": 0, "gc_callback": False}
+    return all(h == empty for h in holdings.values())
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,28 @@ def test_stall_causes_and_stacks(process_client: Client) -> None:
     assert any("_stall" in stack for _, stack in slept.stacks)
     assert "loop stack caught" in str(probe.report)
     assert LoopLagReport.from_dict(json.loads(json.dumps(probe.report.to_dict()))) == probe.report
+    assert _clean(c.run(loop_probe.active_probes))
+
+
+def _garbage(n: int) -> None:
+    import gc
+
+    junk = [[i] for i in range(n)]
+    gc.collect()
+    del junk
+
+
+def test_gc_pauses_are_timed(process_client: Client) -> None:
+    c = process_client
+    a, b = sorted(c.scheduler_info()["workers"])
+    with measure_event_loops(c) as probe:
+        c.run(_garbage, 2_000_000, workers=[a])
+    spent, idle = probe.report.causes[a], probe.report.causes[b]
+    assert spent.gc_full_collections >= 1
+    assert spent.gc_max_pause_ms > 5
+    assert spent.gc_pause_ms >= spent.gc_max_pause_ms
+    assert idle.gc_pause_ms < spent.gc_pause_ms
+    assert "GC:" in str(probe.report)
     assert _clean(c.run(loop_probe.active_probes))
 
 
