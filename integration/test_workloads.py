@@ -31,11 +31,11 @@ def test_check_accepts_a_correct_rechunk_and_rejects_wrong_ones() -> None:
     x = source_array(w)
     assert checked(x.rechunk(w.target_chunks, method="tasks"), w).compute()
     # A moved element, a swapped pair of time steps and a cast all fail the check.
-    bad = x.rechunk(w.target_chunks).copy()
+    bad = x.rechunk(w.target_chunks, method="tasks").copy()
     assert not checked(bad.map_blocks(lambda b: np.roll(b, 1, axis=0)), w).compute()
-    swapped = x[[1, 0, *range(2, w.shape[0])]].rechunk(w.target_chunks)
+    swapped = x[[1, 0, *range(2, w.shape[0])]].rechunk(w.target_chunks, method="tasks")
     assert not checked(swapped, w).compute()
-    assert not checked(x.astype("float64").rechunk(w.target_chunks), w).compute()
+    assert not checked(x.astype("float64").rechunk(w.target_chunks, method="tasks"), w).compute()
 
 
 def test_values_are_distinct_and_exact() -> None:
