@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import dask
 import dask.array as da
 import numpy as np
@@ -84,3 +86,19 @@ async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, 
             await c.compute(y)
     del y
     await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_gil_switch_interval_is_shortened_while_plugin_runs_and_restored(c, s):
+    import sys
+
+    from distributed import Worker
+
+    before = sys.getswitchinterval()
+    await rechunk_p2p.register(c)
+    async with Worker(s.address, nthreads=1), Worker(s.address, nthreads=1):
+        await c.wait_for_workers(2)
+        while len(s.get_metadata(["rechunk-p2p-dataplane"], default={})) < 2:
+            await asyncio.sleep(0.01)
+        assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
+    assert sys.getswitchinterval() == before

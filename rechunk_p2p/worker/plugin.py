@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from dask.utils import parse_timedelta
 from distributed import WorkerPlugin
 from distributed.protocol.serialize import ToPickle
 
@@ -67,6 +69,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         # highest run id the scheduler closed, per shuffle id (bounded, oldest dropped first)
         self._closed_run_ids: OrderedDict[str, int] = OrderedDict()
         self._background: set[asyncio.Future[None]] = set()
+        self._switch_held = False
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -84,6 +87,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
             concurrency=config.get("comm.concurrency"),
         )
         address = await asyncio.to_thread(self.dataplane.start_blocking)
+        _gil_switch.acquire(config.get("worker.gil-switch-interval"))
+        self._switch_held = True
         worker.handlers["rechunk_p2p_inputs_done"] = self._inputs_done
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
@@ -100,6 +105,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
             await asyncio.to_thread(self.dataplane.stop_blocking)
         if self.offload is not None:
             self.offload.shutdown(wait=False)
+        if self._switch_held:
+            self._switch_held = False
+            _gil_switch.release()
 
     # --- runs -----------------------------------------------------------------------------
 
@@ -289,6 +297,39 @@ class RechunkWorkerPlugin(WorkerPlugin):
             bytes_received=received + sum(s.bytes_received for s in open_stats),
             bytes_spilled=spilled + sum(s.bytes_spilled for s in open_stats),
         )
+
+
+class _GilSwitch:
+    """**Thread-safe (guarded by `_lock`).** The interpreter's GIL switch interval, shortened
+    while any worker plugin of this process runs and restored when the last one stops.
+
+    A thread waiting for the GIL (the event loop, after its timer fired) waits up to one
+    switch interval per hand-over while task, data-plane and offload threads run Python code;
+    a shorter interval bounds how long the loop waits behind them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._original: float | None = None
+
+    def acquire(self, interval: Any) -> None:
+        with self._lock:
+            self._users += 1
+            if interval is None or self._users > 1:
+                return
+            self._original = sys.getswitchinterval()
+            sys.setswitchinterval(min(parse_timedelta(interval), self._original))
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._original is not None:
+                sys.setswitchinterval(self._original)
+                self._original = None
+
+
+_gil_switch = _GilSwitch()
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:
