@@ -169,6 +169,14 @@ def headline(run: dict[str, Any]) -> dict[str, float]:
         "stalls_200": overall.get("stalls_over_200ms", 0),
         "adj_p99_ms": max((c["adjusted_p99_ms"] for c in causes), default=float("nan")),
         "adj_max_ms": max((c["adjusted_max_ms"] for c in causes), default=float("nan")),
+        "worker_gc_max_ms": max(
+            (
+                c.get("gc_max_pause_ms", 0.0)
+                for a, c in lag.get("causes", {}).items()
+                if lag["distributed"].get(a, {}).get("server_type") != "Scheduler"
+            ),
+            default=0.0,
+        ),
         "unresponsive": sum(
             s["unresponsive_warnings"] for s in lag.get("distributed", {}).values()
         ),
@@ -219,17 +227,18 @@ def format_table(meds: list[dict[str, Any]]) -> str:
         ">200",
         "adj p99",
         "adj max",
+        "wrk GC",
         "unresp",
         "RSS peak",
         "disk peak",
         "spilled",
     )
-    widths = (-18, -12, 5, 7, 6, 7, 8, 7, 8, 5, 5, 7, 8, 6, 10, 10, 10)
+    widths = (-18, -12, 5, 7, 6, 7, 8, 7, 8, 5, 5, 7, 8, 6, 6, 10, 10, 10)
     fmt = " ".join(f"{{:{'<' if w < 0 else '>'}{abs(w)}}}" for w in widths)
     lines = [fmt.format(*cols), "-" * 160]
     for m in meds:
         if not m["runs"]:
-            lines.append(fmt.format(m["workload"], m["impl"], f"0/{m['failed']}", *["-"] * 14))
+            lines.append(fmt.format(m["workload"], m["impl"], f"0/{m['failed']}", *["-"] * 15))
             continue
         lines.append(
             fmt.format(
@@ -246,6 +255,7 @@ def format_table(meds: list[dict[str, Any]]) -> str:
                 f"{m['stalls_200']:g}",
                 f"{m['adj_p99_ms']:.1f}",
                 f"{m['adj_max_ms']:.0f}",
+                f"{m['worker_gc_max_ms']:.0f}",
                 f"{m['unresponsive']:g}",
                 format_bytes(m["rss_peak"]),
                 format_bytes(m["disk_peak"]),
@@ -253,7 +263,8 @@ def format_table(meds: list[dict[str, Any]]) -> str:
             )
         )
     lines.append(
-        "lag in ms; p50/p99/max over all processes; wrk = worst worker; adj = worst "
+        "lag in ms; p50/p99/max over all processes; wrk = worst worker (wrk GC: longest "
+        "garbage-collection pause); adj = worst "
         "process after subtracting run-queue wait; RSS/disk = worst worker peak"
     )
     return "\n".join(lines)

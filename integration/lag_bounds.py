@@ -2,11 +2,14 @@
 
 Where it runs: pure.
 
-By default the lag bounds are checked on the *contention-adjusted* lag (each sample's lag
-minus the time the loop thread waited for a CPU, see
+By default the lag bounds are checked on the workers' *contention-adjusted* lag (each
+sample's lag minus the time the loop thread waited for a CPU, see
 :mod:`rechunk_p2p.diagnostics.stall_causes`): on a shared two-core machine the OS alone
-delays a loop by hundreds of milliseconds, whatever the code does. ``strict=True``
-(``RECHUNK_P2P_STRICT_LAG=1``) checks the raw lag as well, for quiet machines.
+delays a loop by hundreds of milliseconds, whatever the code does. The scheduler is held
+to "no unresponsive warning" only: with tens of thousands of tasks, distributed's own graph
+submission and the scheduler's garbage collections stall its loop for every
+implementation alike. ``strict=True`` (``RECHUNK_P2P_STRICT_LAG=1``) checks the raw lag
+as well, on every process including the scheduler, for quiet machines.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def violations(report: LoopLagReport, bounds: LagBounds, strict: bool = False) -
     for addr, s in report.per_process.items():
         sig = report.distributed.get(addr)
         who = f"{sig.server_type if sig else 'process'} {addr}"
+        if sig and sig.unresponsive_warnings > bounds.unresponsive_warnings:
+            out.append(f"{who}: {sig.unresponsive_warnings} 'Event loop was unresponsive' warnings")
+        if not strict and sig is not None and sig.server_type == "Scheduler":
+            continue
         figures = [("raw", s.p99_ms, s.max_ms, s.stalls_over_200ms)] if strict else []
         c = report.causes.get(addr)
         if c is not None:
@@ -53,8 +60,6 @@ def violations(report: LoopLagReport, bounds: LagBounds, strict: bool = False) -
                 out.append(f"{who}: {kind} max lag {worst:.1f} ms > {bounds.max_ms:g} ms")
             if stalls > bounds.stalls_over_200ms:
                 out.append(f"{who}: {stalls} {kind} stalls over 200 ms")
-        if sig and sig.unresponsive_warnings > bounds.unresponsive_warnings:
-            out.append(f"{who}: {sig.unresponsive_warnings} 'Event loop was unresponsive' warnings")
     if report.missing:
         out.append(f"processes lost during the window: {report.missing}")
     return out
