@@ -89,16 +89,21 @@ async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, 
 
 
 @gen_cluster(client=True, nthreads=[])
-async def test_gil_switch_interval_is_shortened_while_plugin_runs_and_restored(c, s):
+async def test_process_tuning_applies_while_plugin_runs_and_is_undone(c, s):
+    """GIL switch interval shortened and the heap frozen while workers run; both undone."""
+    import gc
     import sys
 
     from distributed import Worker
 
     before = sys.getswitchinterval()
+    frozen_before = gc.get_freeze_count()
     await rechunk_p2p.register(c)
     async with Worker(s.address, nthreads=1), Worker(s.address, nthreads=1):
         await c.wait_for_workers(2)
         while len(s.get_metadata(["rechunk-p2p-dataplane"], default={})) < 2:
             await asyncio.sleep(0.01)
         assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
+        assert gc.get_freeze_count() > frozen_before
     assert sys.getswitchinterval() == before
+    assert gc.get_freeze_count() == frozen_before

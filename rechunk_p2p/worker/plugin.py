@@ -9,6 +9,7 @@ worker's loop each, and only when the run is not known here yet).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -87,7 +88,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             concurrency=config.get("comm.concurrency"),
         )
         address = await asyncio.to_thread(self.dataplane.start_blocking)
-        _gil_switch.acquire(config.get("worker.gil-switch-interval"))
+        _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
         self._switch_held = True
         worker.handlers["rechunk_p2p_inputs_done"] = self._inputs_done
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
@@ -107,7 +108,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             self.offload.shutdown(wait=False)
         if self._switch_held:
             self._switch_held = False
-            _gil_switch.release()
+            _tuning.release()
 
     # --- runs -----------------------------------------------------------------------------
 
@@ -299,37 +300,54 @@ class RechunkWorkerPlugin(WorkerPlugin):
         )
 
 
-class _GilSwitch:
-    """**Thread-safe (guarded by `_lock`).** The interpreter's GIL switch interval, shortened
-    while any worker plugin of this process runs and restored when the last one stops.
+class _ProcessTuning:
+    """**Thread-safe (guarded by `_lock`).** Interpreter settings that keep the event loop
+    responsive, applied while any worker plugin of this process runs and undone when the
+    last one stops.
 
-    A thread waiting for the GIL (the event loop, after its timer fired) waits up to one
-    switch interval per hand-over while task, data-plane and offload threads run Python code;
-    a shorter interval bounds how long the loop waits behind them.
+    - The GIL switch interval: a thread waiting for the GIL (the event loop, after its timer
+      fired) waits up to one interval per hand-over while task, data-plane and offload
+      threads run Python code; a shorter interval bounds how long the loop waits.
+    - ``gc.freeze``: every full garbage collection walks every tracked object of the process
+      and stops all its threads, the loop included. Most of a worker's objects (modules,
+      distributed's own state) live as long as the process; after one last collection,
+      freezing them leaves them out of later collections, which cut the longest pauses
+      during a rechunk several-fold. ``gc.unfreeze`` when the last plugin stops.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
-        self._original: float | None = None
+        self._switch: float | None = None
+        self._frozen = False
 
-    def acquire(self, interval: Any) -> None:
+    def acquire(self, interval: Any, freeze: bool) -> None:
         with self._lock:
             self._users += 1
-            if interval is None or self._users > 1:
+            if self._users > 1:
                 return
-            self._original = sys.getswitchinterval()
-            sys.setswitchinterval(min(parse_timedelta(interval), self._original))
+            if interval is not None:
+                self._switch = sys.getswitchinterval()
+                sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
+            if freeze:
+                gc.collect()
+                gc.freeze()
+                self._frozen = True
 
     def release(self) -> None:
         with self._lock:
             self._users -= 1
-            if self._users == 0 and self._original is not None:
-                sys.setswitchinterval(self._original)
-                self._original = None
+            if self._users:
+                return
+            if self._switch is not None:
+                sys.setswitchinterval(self._switch)
+                self._switch = None
+            if self._frozen:
+                gc.unfreeze()
+                self._frozen = False
 
 
-_gil_switch = _GilSwitch()
+_tuning = _ProcessTuning()
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:
