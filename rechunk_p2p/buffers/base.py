@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -101,6 +101,15 @@ class ShardStore(Protocol):
             The store is closed.
         RechunkStorageError
             Reading the spilled data failed (disk store only).
+        """
+        ...
+
+    def read_into_blocking(
+        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> list[int]:
+        """Place every shard of ``output`` into ``out[placement[input]]`` and discard it.
+
+        Returns the input indices of the shards found (the caller checks completeness).
         """
         ...
 

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -229,6 +229,67 @@ class DiskShardStore:
             self._release_locked()
         result.sort(key=lambda pair: pair[0])
         return result
+
+    def read_into_blocking(
+        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> list[int]:
+        """Read each shard of ``output`` straight into ``out[placement[input]]``; discard it.
+
+        Where the target region of ``out`` is contiguous (e.g. a slab along the first axis),
+        ``preadv`` fills it directly: no buffer per shard and no second copy. Returns the
+        input indices placed.
+        """
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            entries = self._index.pop(output, None)
+            if not entries:
+                return []
+            nbytes = sum(e[1] for e in entries)
+            self._bytes_buffered -= nbytes
+            self._inflight += 1
+            fd = self._fd
+        assert fd is not None  # entries exist only after the file was written
+        try:
+            self._read_into_entries_blocking(fd, entries, out, placement)
+        except OSError as exc:
+            with self._lock:
+                self._release_locked()
+            action = f"read {nbytes} bytes of output {output}"
+            raise self._storage_error(exc, action, _READ_ADVICE) from exc
+        with self._lock:
+            self._bytes_read += nbytes
+            self._release_locked()
+        return [e[2] for e in entries]
+
+    def _read_into_entries_blocking(
+        self,
+        fd: int,
+        entries: list[_Entry],
+        out: np.ndarray,
+        placement: Mapping[int, tuple[slice, ...]],
+    ) -> None:
+        if self._pickled:
+            for input_, array in self._read_entries_blocking(fd, entries):
+                if input_ in placement:
+                    out[placement[input_]] = array
+            return
+        targets: list[tuple[int, memoryview]] = []
+        staged: list[tuple[np.ndarray, np.ndarray]] = []
+        for offset, nbytes, input_, shape in sorted(entries):
+            if not nbytes or input_ not in placement:
+                continue
+            region = out[placement[input_]]
+            if region.flags.c_contiguous and region.shape == tuple(shape):
+                targets.append((offset, memoryview(region.reshape(-1).view(np.uint8))))
+            else:
+                buffer = np.empty(shape, dtype=self.dtype)
+                staged.append((region, buffer))
+                targets.append((offset, memoryview(buffer.reshape(-1).view(np.uint8))))
+        for start, views in _coalesce(targets):
+            preadv_all(fd, views, start)
+        for region, buffer in staged:
+            region[...] = buffer
 
     def _read_entries_blocking(
         self, fd: int, entries: list[_Entry]

@@ -6,7 +6,7 @@ Where it runs: offload pool and task threads (blocking; never on the event loop)
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -89,6 +89,25 @@ class MemoryShardStore:
             if discard:
                 self._bytes_buffered -= nbytes
         return [(input_, owned_array(arrays[input_])) for input_ in sorted(arrays)]
+
+    def read_into_blocking(
+        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> list[int]:
+        """Copy each shard of ``output`` into ``out[placement[input]]`` and discard it.
+
+        Returns the input indices placed. No intermediate copy is made.
+        """
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            arrays = self._data.pop(output, {})
+            nbytes = sum(a.nbytes for a in arrays.values())
+            self._bytes_read += nbytes
+            self._bytes_buffered -= nbytes
+        for input_, array in arrays.items():
+            if input_ in placement:
+                out[placement[input_]] = array
+        return list(arrays)
 
     def close_blocking(self) -> None:
         """Drop every array; idempotent."""

@@ -147,9 +147,7 @@ class WorkerRun:
         with self._lock:
             self._inputs += 1
 
-    def _cut_blocking(
-        self, flat: int, data: np.ndarray
-    ) -> tuple[list[Shard], dict[str, Packed]]:
+    def _cut_blocking(self, flat: int, data: np.ndarray) -> tuple[list[Shard], dict[str, Packed]]:
         spec = self.run_spec
         copy_local = self.storage == "memory"
         local: list[Shard] = []
@@ -172,16 +170,15 @@ class WorkerRun:
         partial = self.run_spec.spec.partial
         shape = partial.output_shape(flat)
         placement = dict(partial.shards_of_output(flat))
-        shards = self._store.read_blocking(flat, discard=True)
-        received = {inp for inp, _ in shards}
-        if received != set(placement) or len(shards) != len(placement):
-            missing = sorted(set(placement) - received)
+        out = np.empty(shape, dtype=self.run_spec.spec.dtype)
+        received = self._store.read_into_blocking(flat, out, placement)
+        if len(received) != len(placement) or set(received) != set(placement):
+            missing = sorted(set(placement) - set(received))
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.id} "
                 f"(run {self.run_id}) on {self.worker_address} is missing shards from "
                 f"input chunks {[partial.input_index(i) for i in missing][:10]}"
             )
-        out = _assemble(shape, self.run_spec.spec.dtype, placement, shards)
         with self._lock:
             self._outputs += 1
         return out
@@ -235,20 +232,3 @@ class WorkerRun:
                 bytes_spilled=store.bytes_written if store.kind == "disk" else 0,
                 bytes_buffered=store.bytes_buffered,
             )
-
-
-def _assemble(
-    shape: tuple[int, ...],
-    dtype: np.dtype,
-    placement: dict[int, tuple[slice, ...]],
-    shards: list[tuple[int, np.ndarray]],
-) -> np.ndarray:
-    """One contiguous, writeable array from its shards (blocking: numpy copies)."""
-    if len(shards) == 1:
-        ((_, arr),) = shards
-        if arr.shape == shape and arr.flags.c_contiguous and arr.flags.writeable:
-            return arr
-    out = np.empty(shape, dtype=dtype)
-    for inp, arr in shards:
-        out[placement[inp]] = arr
-    return out
