@@ -208,7 +208,13 @@ class LoopLagMonitor:
         args = (self.token, options)
         try:
             if self.include_scheduler:
-                await self.client.run_on_scheduler(loop_probe.start_on_scheduler, *args)
+                try:
+                    await self.client.run_on_scheduler(loop_probe.start_on_scheduler, *args)
+                except Exception as e:
+                    raise ClusterError(
+                        f"measure_event_loops: could not start the loop probe on the scheduler "
+                        f"({e!r}); rechunk_p2p must be importable there and on every worker"
+                    ) from e
                 self._scheduler_started = True
             started = await self.client.run(loop_probe.start_on_worker, *args, on_error="return")
             self.workers = sorted(a for a, r in started.items() if not isinstance(r, Exception))
@@ -216,7 +222,8 @@ class LoopLagMonitor:
             if failed:
                 raise ClusterError(
                     f"measure_event_loops: could not start the loop probe on {sorted(failed)}: "
-                    f"{next(iter(failed.values()))!r}"
+                    f"{next(iter(failed.values()))!r}; rechunk_p2p must be importable on "
+                    "every worker"
                 )
         except BaseException:
             try:

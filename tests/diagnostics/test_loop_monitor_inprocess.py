@@ -84,6 +84,19 @@ async def test_failed_start_cleans_up(c, s, a, monkeypatch) -> None:
     assert not gc_pauses.installed()
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_scheduler_refusing_the_probe_is_a_cluster_error(c, s, a, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'rechunk_p2p'")
+
+    monkeypatch.setattr(loop_probe, "start_on_scheduler", broken)
+    with pytest.raises(ClusterError, match="importable"):
+        async with measure_event_loops(c):
+            pass
+    assert not loop_probe._PROBES
+    assert loop_probe._FILTER is None
+
+
 @gen_cluster(client=True)
 async def test_worker_leaving_is_reported_missing(c, s, a, b) -> None:
     async with measure_event_loops(c) as probe:
