@@ -52,12 +52,12 @@ class Partial:
     def ndim(self) -> int:
         return len(self.old_chunks)
 
-    @property
+    @cached_property
     def old_grid(self) -> NDIndex:
         """Number of input chunks per axis."""
         return tuple(len(c) for c in self.old_chunks)
 
-    @property
+    @cached_property
     def new_grid(self) -> NDIndex:
         """Number of output chunks per axis."""
         return tuple(len(c) for c in self.new_chunks)
