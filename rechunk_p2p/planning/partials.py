@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from rechunk_p2p.planning.axes import AxisPiece, axis_pieces
 
 Chunks = tuple[tuple[int, ...], ...]
@@ -134,21 +136,33 @@ class Partial:
     def _by_new(self) -> tuple[dict[int, tuple[AxisPiece, ...]], ...]:
         return tuple(_index_by(pieces, "new") for pieces in self._pieces)
 
+    @cached_property
+    def _cuts_by_old(self) -> tuple[dict[int, tuple[list[int], list[slice]]], ...]:
+        """Per axis: old chunk index -> (new chunk indices, slices of the old chunk)."""
+        return tuple(
+            {k: ([p.new for p in v], [p.old_slice for p in v]) for k, v in by_old.items()}
+            for by_old in self._by_old
+        )
+
+    @cached_property
+    def _cuts_by_new(self) -> tuple[dict[int, tuple[list[int], list[slice]]], ...]:
+        """Per axis: new chunk index -> (old chunk indices, slices of the new chunk)."""
+        return tuple(
+            {k: ([p.old for p in v], [p.new_slice for p in v]) for k, v in by_new.items()}
+            for by_new in self._by_new
+        )
+
     def shards_of_input(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
         """Cut input chunk ``flat``: yield (flat output index, slices of the input chunk)."""
         local = _unravel(flat, self.old_grid)
-        per_axis = [by_old.get(i, ()) for by_old, i in zip(self._by_old, local)]
-        for combo in itertools.product(*per_axis):
-            out = _ravel_local(tuple(p.new for p in combo), self.new_grid)
-            yield out, tuple(p.old_slice for p in combo)
+        cuts = [by_old.get(i, ([], [])) for by_old, i in zip(self._cuts_by_old, local)]
+        return _pair_up(cuts, self.new_grid)
 
     def shards_of_output(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
         """Pieces of output chunk ``flat``: yield (flat input index, slices of the output chunk)."""
         local = _unravel(flat, self.new_grid)
-        per_axis = [by_new.get(i, ()) for by_new, i in zip(self._by_new, local)]
-        for combo in itertools.product(*per_axis):
-            inp = _ravel_local(tuple(p.old for p in combo), self.old_grid)
-            yield inp, tuple(p.new_slice for p in combo)
+        cuts = [by_new.get(i, ([], [])) for by_new, i in zip(self._cuts_by_new, local)]
+        return _pair_up(cuts, self.old_grid)
 
     def inputs_of_output(
         self, flat: int
@@ -159,6 +173,25 @@ class Partial:
         for combo in itertools.product(*per_axis):
             glob = tuple(o + p.old for o, p in zip(self.old_offset, combo))
             yield glob, tuple(p.old_slice for p in combo), tuple(p.new_slice for p in combo)
+
+
+def _pair_up(
+    cuts: list[tuple[list[int], list[slice]]], grid: NDIndex
+) -> Iterator[tuple[int, tuple[slice, ...]]]:
+    """(flat index, slices) for every combination of one cut per axis, in C order.
+
+    Flat indices are computed for all combinations at once: this runs once per shard of a
+    rechunk, so it avoids a Python-level loop per combination.
+    """
+    if not cuts:
+        return iter([(0, ())])
+    if any(not indices for indices, _ in cuts):
+        return iter([])
+    strides = [math.prod(grid[a + 1 :]) for a in range(len(grid))]
+    flat = np.zeros((), dtype=np.int64)
+    for (indices, _), stride in zip(cuts, strides):
+        flat = np.add.outer(flat, np.asarray(indices, dtype=np.int64) * stride)
+    return zip(flat.ravel().tolist(), itertools.product(*(sl for _, sl in cuts)))
 
 
 def _index_by(pieces: tuple[AxisPiece, ...], attr: str) -> dict[int, tuple[AxisPiece, ...]]:
