@@ -24,7 +24,8 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -57,6 +58,7 @@ _READ_ADVICE = (
 
 # (offset, nbytes, input index, shape)
 _Entry = tuple[int, int, int, tuple[int, ...]]
+_T = TypeVar("_T")
 
 
 class DiskShardStore:
@@ -204,6 +206,31 @@ class DiskShardStore:
         See :meth:`rechunk_p2p.buffers.base.ShardStore.read_blocking`. Each array is read
         straight into its own freshly allocated buffer.
         """
+        result = self._read_output_blocking(output, discard, self._read_entries_blocking)
+        result.sort(key=lambda pair: pair[0])
+        return result
+
+    def read_into_blocking(
+        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> list[int]:
+        """Read each shard of ``output`` straight into ``out[placement[input]]``; discard it.
+
+        Where the target region of ``out`` is contiguous (e.g. a slab along the first axis),
+        ``preadv`` fills it directly: no buffer per shard and no second copy. Returns the
+        input indices placed.
+        """
+
+        def read(fd: int, entries: list[_Entry]) -> list[int]:
+            self._read_into_entries_blocking(fd, entries, out, placement)
+            return [e[2] for e in entries]
+
+        return self._read_output_blocking(output, True, read)
+
+    def _read_output_blocking(
+        self, output: int, discard: bool, read: Callable[[int, list[_Entry]], _T]
+    ) -> _T | list:
+        """Take one output's index entries under the lock, then ``read(fd, entries)``
+        outside it, counting the bytes and translating I/O errors."""
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
@@ -218,7 +245,7 @@ class DiskShardStore:
             fd = self._fd
         assert fd is not None  # entries exist only after the file was written
         try:
-            result = self._read_entries_blocking(fd, entries)
+            result = read(fd, entries)
         except OSError as exc:
             with self._lock:
                 self._release_locked()
@@ -227,40 +254,7 @@ class DiskShardStore:
         with self._lock:
             self._bytes_read += nbytes
             self._release_locked()
-        result.sort(key=lambda pair: pair[0])
         return result
-
-    def read_into_blocking(
-        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
-    ) -> list[int]:
-        """Read each shard of ``output`` straight into ``out[placement[input]]``; discard it.
-
-        Where the target region of ``out`` is contiguous (e.g. a slab along the first axis),
-        ``preadv`` fills it directly: no buffer per shard and no second copy. Returns the
-        input indices placed.
-        """
-        with self._lock:
-            if self._closed:
-                raise closed_error(self.kind, self.name, f"read output {output}")
-            entries = self._index.pop(output, None)
-            if not entries:
-                return []
-            nbytes = sum(e[1] for e in entries)
-            self._bytes_buffered -= nbytes
-            self._inflight += 1
-            fd = self._fd
-        assert fd is not None  # entries exist only after the file was written
-        try:
-            self._read_into_entries_blocking(fd, entries, out, placement)
-        except OSError as exc:
-            with self._lock:
-                self._release_locked()
-            action = f"read {nbytes} bytes of output {output}"
-            raise self._storage_error(exc, action, _READ_ADVICE) from exc
-        with self._lock:
-            self._bytes_read += nbytes
-            self._release_locked()
-        return [e[2] for e in entries]
 
     def _read_into_entries_blocking(
         self,
