@@ -102,7 +102,7 @@ def test_stall_causes_and_stacks(process_client: Client) -> None:
     # The spinning loop used the CPU itself (or waited for one on a busy machine) ...
     assert spun.stall_ms >= 290
     assert spun.loop_cpu_ms + spun.runqueue_ms >= 250
-    assert spun.other_ms < 50
+    assert spun.other_ms < 100  # a little GIL wait behind the worker's other threads
     # ... the sleeping loop did neither.
     assert slept.stall_ms >= 290
     assert slept.loop_cpu_ms < 50
