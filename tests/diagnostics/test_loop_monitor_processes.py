@@ -102,11 +102,12 @@ def test_stall_causes_and_stacks(process_client: Client) -> None:
     # The spinning loop used the CPU itself (or waited for one on a busy machine) ...
     assert spun.stall_ms >= 290
     assert spun.loop_cpu_ms + spun.runqueue_ms >= 250
-    assert spun.other_ms < 100  # a little GIL wait behind the worker's other threads
+    # (a little GIL wait behind the worker's other threads is normal on a busy machine)
+    assert spun.other_ms < (spun.loop_cpu_ms + spun.runqueue_ms) / 2
     # ... the sleeping loop did neither.
     assert slept.stall_ms >= 290
-    assert slept.loop_cpu_ms < 50
     assert slept.other_ms >= 200
+    assert slept.loop_cpu_ms < slept.other_ms / 2
     assert slept.adjusted_max_ms >= 250
     # The watchdog caught each loop inside the function that blocked it.
     assert any("_spin" in stack for _, stack in spun.stacks)
