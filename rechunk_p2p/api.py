@@ -10,16 +10,19 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import dask
 import dask.array as da
 import numpy as np
 from dask.array.core import normalize_chunks
 from dask.array.utils import validate_axis
 from dask.base import tokenize
+from dask.utils import parse_bytes
 
 from rechunk_p2p import config
 from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
 from rechunk_p2p.planning import RechunkPlan
+from rechunk_p2p.planning.merge import merge_inputs
 
 Chunks = tuple[tuple[int, ...], ...]
 
@@ -88,10 +91,28 @@ def rechunk(
     _require_numpy_chunks(x)
     storage = _storage_setting()
     n_workers = _current_n_workers()
-    the_plan = RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=n_workers)
+    the_plan = _make_plan(x, new, block_size_limit, n_workers)
     _ensure_registered()
     token = tokenize(x, new, storage)
+    if the_plan.old_chunks != x.chunks:  # merge thin input chunks first (plain tasks)
+        x = x.rechunk(the_plan.old_chunks, method="tasks")
     return build_rechunk(x, the_plan, token, storage)
+
+
+def _make_plan(
+    x: da.Array, new: Chunks, block_size_limit: int | None, n_workers: int
+) -> RechunkPlan:
+    """The plan of the shuffle, from ``x``'s chunks merged where thin inputs would make
+    many tiny shards (see :mod:`rechunk_p2p.planning.merge`)."""
+    itemsize = 8 if x.dtype.hasobject else x.dtype.itemsize
+    merged = x.chunks
+    if math.prod(x.shape) * itemsize >= config.get_bytes("merge.min-array-bytes"):
+        limit = block_size_limit or parse_bytes(dask.config.get("array.chunk-size"))
+        shard_bytes = config.get_bytes("merge.shard-bytes")
+        merged = merge_inputs(x.chunks, new, itemsize, int(limit), shard_bytes)
+    return RechunkPlan(
+        x.shape, x.dtype, merged, new, n_workers=max(int(n_workers), 1), source_chunks=x.chunks
+    )
 
 
 def plan(
@@ -123,7 +144,7 @@ def plan(
     _require_numpy_chunks(x)
     if n_workers is None:
         n_workers = _current_n_workers()
-    return RechunkPlan(x.shape, x.dtype, x.chunks, new, n_workers=max(int(n_workers), 1))
+    return _make_plan(x, new, block_size_limit, n_workers)
 
 
 def normalize(

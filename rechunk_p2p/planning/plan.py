@@ -58,6 +58,7 @@ class RechunkPlan:
     old_chunks: Chunks
     new_chunks: Chunks
     n_workers: int = 1
+    source_chunks: Chunks | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -88,8 +89,14 @@ class RechunkPlan:
         return sum(p.needs_shuffle for p in self.partials)
 
     @property
+    def merged(self) -> bool:
+        """Whether the array's chunks are merged (by plain tasks) before the shuffle."""
+        return self.source_chunks is not None and self.source_chunks != self.old_chunks
+
+    @property
     def n_input_chunks(self) -> int:
-        return math.prod(len(c) for c in self.old_chunks)
+        """Chunks of the array before the rechunk."""
+        return math.prod(len(c) for c in (self.source_chunks or self.old_chunks))
 
     @property
     def n_output_chunks(self) -> int:
@@ -103,9 +110,10 @@ class RechunkPlan:
     @cached_property
     def n_tasks(self) -> int:
         """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
-        one unpack per output; one task per output chunk elsewhere."""
+        one unpack per output; one task per output chunk elsewhere; one per merged input."""
         shuffled = [p for p in self.partials if p.needs_shuffle]
-        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled)
+        merges = math.prod(len(c) for c in self.old_chunks) if self.merged else 0
+        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled) + merges
 
     @property
     def itemsize(self) -> int:
@@ -142,8 +150,16 @@ class RechunkPlan:
         return "\n".join(
             [
                 f"RechunkPlan<{self.shape} {self.dtype}, {format_bytes(self.nbytes)}>",
-                f"  chunks       {_chunk_summary(self.old_chunks)} -> "
+                f"  chunks       {_chunk_summary(self.source_chunks or self.old_chunks)} -> "
                 f"{_chunk_summary(self.new_chunks)}",
+                *(
+                    [
+                        f"  merged       {_chunk_summary(self.source_chunks)} -> "
+                        f"{_chunk_summary(self.old_chunks)} by plain tasks before the shuffle"
+                    ]
+                    if self.merged and self.source_chunks is not None
+                    else []
+                ),
                 f"  chunk count  {self.n_input_chunks} -> {self.n_output_chunks}"
                 f" ({self.n_shards} shards)",
                 f"  partials     {self.n_partials} ({self.n_shuffles} shuffled)",
