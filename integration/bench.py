@@ -300,15 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory(prefix="rechunk-bench-") as local_dir,
-        dask.config.set({"rechunk-p2p.storage": "disk"}),
-        LocalCluster(
-            n_workers=args.workers,
-            threads_per_worker=args.threads,
-            processes=True,
-            dashboard_address=":0",
-            local_directory=local_dir,
-        ) as cluster,
-        Client(cluster) as client,
+        cluster_client(args, local_dir) as client,
     ):
         warm_up(client, impls)
         for rep in range(args.repeat):
