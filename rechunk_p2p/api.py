@@ -6,6 +6,7 @@ array data.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,8 @@ from rechunk_p2p.planning import RechunkPlan
 from rechunk_p2p.planning.merge import merge_inputs
 
 Chunks = tuple[tuple[int, ...], ...]
+
+logger = logging.getLogger(__name__)
 
 
 def rechunk(
@@ -69,7 +72,8 @@ def rechunk(
     TypeError
         ``x`` is not a dask array.
     ValueError
-        The chunks do not fit the array, or ``x`` has unknown (NaN) chunk sizes.
+        The chunks do not fit the array, or change along an axis of unknown (NaN) chunk
+        sizes (as in dask).
 
     Examples
     --------
@@ -87,16 +91,34 @@ def rechunk(
     new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
     if _same_chunks(new, x.chunks):
         return x
-    _require_known_sizes(x)
     _require_numpy_chunks(x)
     storage = _storage_setting()
-    n_workers = _current_n_workers()
-    the_plan = _make_plan(x, new, block_size_limit, n_workers)
+    unknown = _unknown_axes(x)
+    the_plan = _make_plan(x, new, block_size_limit, n_workers=1)
     _ensure_registered()
     token = tokenize(x, new, storage)
-    if the_plan.old_chunks != x.chunks:  # merge thin input chunks first (plain tasks)
-        x = x.rechunk(the_plan.old_chunks, method="tasks")
-    return build_rechunk(x, the_plan, token, storage)
+    if the_plan.merged:  # merge thin inputs first (plain tasks)
+        merged = tuple(
+            x.chunks[axis] if axis in unknown else c
+            for axis, c in enumerate(the_plan.old_chunks)
+        )
+        x = x.rechunk(merged, method="tasks")
+    logger.debug("rechunk_p2p: %s -> %s runs on the P2P engine (token %s)", x.name, new, token)
+    return build_rechunk(x, the_plan, token, storage, new_chunks=new, unknown_axes=unknown)
+
+
+def _unknown_axes(x: da.Array) -> tuple[int, ...]:
+    """Axes along which ``x`` has unknown (NaN) chunk sizes."""
+    return tuple(axis for axis, sizes in enumerate(x.chunks) if _has_nan(sizes))
+
+
+def _planned(chunks: Chunks, unknown: tuple[int, ...]) -> Chunks:
+    """``chunks`` as the plan counts them: one element per chunk along ``unknown`` axes.
+
+    Chunks never change along those axes, so each chunk there is its own sub-shuffle and a
+    shard spans it whole (see :func:`rechunk_p2p.spec.widen`).
+    """
+    return tuple((1,) * len(c) if axis in unknown else c for axis, c in enumerate(chunks))
 
 
 def _make_plan(
@@ -105,13 +127,22 @@ def _make_plan(
     """The plan of the shuffle, from ``x``'s chunks merged where thin inputs would make
     many tiny shards (see :mod:`rechunk_p2p.planning.merge`)."""
     itemsize = 8 if x.dtype.hasobject else x.dtype.itemsize
-    merged = x.chunks
-    if math.prod(x.shape) * itemsize >= config.get_bytes("merge.min-array-bytes"):
+    unknown = _unknown_axes(x)
+    old, new = _planned(x.chunks, unknown), _planned(new, unknown)
+    shape = tuple(sum(c) for c in old)
+    merged = old
+    if math.prod(shape) * itemsize >= config.get_bytes("merge.min-array-bytes"):
         limit = block_size_limit or parse_bytes(dask.config.get("array.chunk-size"))
         shard_bytes = config.get_bytes("merge.shard-bytes")
-        merged = merge_inputs(x.chunks, new, itemsize, int(limit), shard_bytes)
+        merged = merge_inputs(old, new, itemsize, int(limit), shard_bytes)
     return RechunkPlan(
-        x.shape, x.dtype, merged, new, n_workers=max(int(n_workers), 1), source_chunks=x.chunks
+        shape,
+        x.dtype,
+        merged,
+        new,
+        n_workers=max(int(n_workers), 1),
+        source_chunks=old,
+        unknown_axes=unknown,
     )
 
 
@@ -140,7 +171,6 @@ def plan(
         Immutable; its repr is a readable summary.
     """
     new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
-    _require_known_sizes(x)
     _require_numpy_chunks(x)
     if n_workers is None:
         n_workers = _current_n_workers()
@@ -221,17 +251,6 @@ def _same_chunks(a: Chunks, b: Chunks) -> bool:
         and all(u == v or (math.isnan(u) and math.isnan(v)) for u, v in zip(ca, cb))
         for ca, cb in zip(a, b)
     )
-
-
-def _require_known_sizes(x: da.Array) -> None:
-    """The P2P engine's one deliberate difference from dask: it needs every chunk's size."""
-    axes = [axis for axis, sizes in enumerate(x.chunks) if _has_nan(sizes)]
-    if axes:
-        raise RechunkInputError(
-            f"Array {x.name} of shape {x.shape} has unknown (NaN) chunk sizes along axes "
-            f"{axes}; the P2P rechunk needs every chunk's size. Call x.compute_chunk_sizes() "
-            "first (or rechunk with method='tasks')."
-        )
 
 
 def _require_numpy_chunks(x: da.Array) -> None:

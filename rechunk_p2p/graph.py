@@ -1,27 +1,39 @@
-"""The task graph of a P2P rechunk, built from a plan.
+"""The task graph of a P2P rechunk, built from a plan, as a cullable graph layer.
 
-Where it runs: the client, when the user calls :func:`rechunk_p2p.rechunk` (pure graph
-construction; nothing is submitted).
+Where it runs: the client, when the user calls :func:`rechunk_p2p.rechunk` or computes the
+result (pure graph construction; nothing is submitted).
 
 Per sub-shuffle (partial) that needs one: a transfer task per input chunk
-(``rechunk-p2p-transfer-<token>``), one barrier (``rechunk-p2p-barrier-<token>-<partial>``)
-and an unpack task per output chunk (``rechunk-p2p-<token>``, the output array's own keys).
+(``rechunk_p2p-transfer-<token>``), one barrier (``rechunk_p2p-barrier-<token>-<partial>``)
+and an unpack task per output chunk (``rechunk-p2p-out-<token>``, the output array's own keys).
 Partials that need no shuffle (one input chunk, one output chunk, or no elements) get one plain
 task per output chunk under the same output name.
+
+Culling (computing part of the output) keeps, per partial, only the outputs asked for and the
+inputs that hold a piece of one of them: the culled sub-shuffle is a smaller shuffle with an
+id of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import dask.array as da
 import numpy as np
 from dask._task_spec import Task, TaskRef
-from dask.highlevelgraph import HighLevelGraph
+from dask.highlevelgraph import HighLevelGraph, Layer
 
+from rechunk_p2p import tasks
 from rechunk_p2p.planning import Partial, RechunkPlan
-from rechunk_p2p.spec import OUTPUT_PREFIX, TRANSFER_PREFIX, ShuffleSpec, barrier_key
-from rechunk_p2p.worker import tasks
+from rechunk_p2p.spec import (
+    OUTPUT_PREFIX,
+    TRANSFER_PREFIX,
+    ShuffleSpec,
+    barrier_key,
+    widen,
+)
 
 
 class BarrierTask(Task):
@@ -58,61 +70,201 @@ class UnpackTask(Task):
         return True
 
 
-def build_rechunk(x: da.Array, plan: RechunkPlan, token: str, storage: str) -> da.Array:
-    """The dask array that is ``x`` rechunked to ``plan.new_chunks`` through P2P shuffles."""
-    name = OUTPUT_PREFIX + token
-    dsk: dict[Any, Any] = {}
-    buffer_estimate = plan.per_worker_buffer_bytes
-    for partial in plan.partials:
-        if partial.needs_shuffle:
-            spec = ShuffleSpec(
-                id=f"{token}-{'.'.join(map(str, partial.index))}",
-                partial=partial,
-                dtype=plan.dtype,
-                storage=storage,
-                output_name=name,
-                buffer_estimate=buffer_estimate,
+class RechunkLayer(Layer):
+    """**Immutable** (its graph is built once, on first use). The tasks of one P2P rechunk.
+
+    Parameters
+    ----------
+    name
+        The output array's name.
+    input_name
+        The input array's name.
+    plan
+        The rechunk's plan.
+    token
+        Identifies the rechunk (input, chunks and settings).
+    storage
+        The ``rechunk-p2p.storage`` setting in force when the graph was built.
+    unknown_axes
+        Axes of unknown chunk sizes (see :func:`rechunk_p2p.spec.widen`).
+    keep
+        Global indices of the output chunks to build; ``None``: all of them.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        input_name: str,
+        plan: RechunkPlan,
+        token: str,
+        storage: str,
+        unknown_axes: tuple[int, ...] = (),
+        keep: frozenset[tuple[int, ...]] | None = None,
+        annotations: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(annotations=annotations)
+        self.name = name
+        self.input_name = input_name
+        self.plan = plan
+        self.token = token
+        self.storage = storage
+        self.unknown_axes = unknown_axes
+        self.keep = keep
+        self._graph: dict[Any, Any] | None = None
+
+    def __repr__(self) -> str:
+        kept = "all" if self.keep is None else len(self.keep)
+        return f"RechunkLayer<{self.name}, outputs: {kept}>"
+
+    # --- Layer ----------------------------------------------------------------------------
+
+    def is_materialized(self) -> bool:
+        return self._graph is not None
+
+    def get_output_keys(self) -> set[Any]:
+        grid = tuple(len(c) for c in self.plan.new_chunks)
+        indices = self.keep if self.keep is not None else np.ndindex(grid)
+        return {(self.name, *map(int, index)) for index in indices}
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._dict[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._dict)
+
+    def __len__(self) -> int:
+        return len(self._dict)
+
+    def cull(
+        self, keys: set[Any], all_hlg_keys: Collection[Any]
+    ) -> tuple[RechunkLayer, dict[Any, set[Any]]]:
+        """The layer that builds only the output chunks among ``keys``, and its dependencies."""
+        wanted = frozenset(
+            tuple(k[1:]) for k in keys if isinstance(k, tuple) and k and k[0] == self.name
+        )
+        if self.keep is not None:
+            wanted &= self.keep
+        layer = self
+        if wanted != (self.keep if self.keep is not None else self.get_output_indices()):
+            layer = RechunkLayer(
+                self.name,
+                self.input_name,
+                self.plan,
+                self.token,
+                self.storage,
+                self.unknown_axes,
+                wanted,
+                self.annotations,
             )
-            dsk.update(_shuffle_tasks(x.name, token, spec))
+        deps = {key: set(task.dependencies) for key, task in layer._dict.items()}
+        return layer, deps
+
+    def get_output_indices(self) -> frozenset[tuple[int, ...]]:
+        grid = tuple(len(c) for c in self.plan.new_chunks)
+        return frozenset(tuple(map(int, i)) for i in np.ndindex(grid))
+
+    # --- construction ---------------------------------------------------------------------
+
+    @property
+    def _dict(self) -> dict[Any, Any]:
+        if self._graph is None:
+            self._graph = self._construct()
+        return self._graph
+
+    def _construct(self) -> dict[Any, Any]:
+        dsk: dict[Any, Any] = {}
+        for partial in self.plan.partials:
+            keep = self._kept_in(partial)
+            if keep is not None and not keep:
+                continue
+            if partial.needs_shuffle:
+                dsk.update(self._shuffle_tasks(partial, keep))
+            else:
+                dsk.update(self._direct_tasks(partial, keep))
+        return dsk
+
+    def _kept_in(self, partial: Partial) -> frozenset[int] | None:
+        """Flat indices of the partial's outputs to build (``None``: all)."""
+        if self.keep is None:
+            return None
+        kept = set()
+        for index in self.keep:
+            local = [i - o for i, o in zip(index, partial.new_offset)]
+            if all(0 <= i < n for i, n in zip(local, partial.new_grid)):
+                kept.add(partial.flat_output(index))
+        return frozenset(kept)
+
+    def _shuffle_tasks(self, partial: Partial, keep: frozenset[int] | None) -> dict[Any, Any]:
+        shuffle_id = f"{self.token}-{'.'.join(map(str, partial.index))}"
+        transfer_name = TRANSFER_PREFIX + self.token
+        if keep is not None and len(keep) < partial.n_outputs:
+            # a culled sub-shuffle is another shuffle: its own id and transfer keys
+            digest = hashlib.sha1(repr(sorted(keep)).encode(), usedforsecurity=False)
+            shuffle_id += "-" + digest.hexdigest()[:12]
+            transfer_name += "-" + digest.hexdigest()[:12]
         else:
-            dsk.update(_direct_tasks(x.name, name, partial, plan.dtype))
+            keep = None
+        spec = ShuffleSpec(
+            id=shuffle_id,
+            partial=partial,
+            dtype=self.plan.dtype,
+            storage=self.storage,
+            output_name=self.name,
+            keep=keep,
+            unknown_axes=self.unknown_axes,
+        )
+        dsk: dict[Any, Any] = {}
+        transfers = []
+        for flat in spec.inputs:
+            index = partial.input_index(flat)
+            key = (transfer_name, *index)
+            source = TaskRef((self.input_name, *index))
+            dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat)
+            transfers.append(TaskRef(key))
+        bkey = barrier_key(shuffle_id)
+        dsk[bkey] = BarrierTask(bkey, tasks.barrier, shuffle_id, *transfers, spec=spec)
+        for flat in spec.outputs:
+            key = spec.output_key(flat)
+            dsk[key] = UnpackTask(key, tasks.unpack, shuffle_id, flat, TaskRef(bkey), key)
+        return dsk
+
+    def _direct_tasks(self, partial: Partial, keep: frozenset[int] | None) -> dict[Any, Any]:
+        dsk: dict[Any, Any] = {}
+        dtype = self.plan.dtype
+        for flat in sorted(keep) if keep is not None else range(partial.n_outputs):
+            key = (self.name, *partial.output_index(flat))
+            shape = partial.output_shape(flat)
+            pieces = list(partial.inputs_of_output(flat))
+            if not pieces or 0 in shape:
+                dsk[key] = Task(key, tasks.empty, shape, dtype)
+                continue
+            placements = tuple(
+                (widen(in_sl, self.unknown_axes), widen(out_sl, self.unknown_axes))
+                for _, in_sl, out_sl in pieces
+            )
+            refs = [TaskRef((self.input_name, *glob)) for glob, _, _ in pieces]
+            dsk[key] = Task(
+                key, tasks.assemble, shape, dtype, placements, *refs, unknown=self.unknown_axes
+            )
+        return dsk
+
+
+def build_rechunk(
+    x: da.Array,
+    plan: RechunkPlan,
+    token: str,
+    storage: str,
+    new_chunks: tuple[tuple[float, ...], ...] | None = None,
+    unknown_axes: tuple[int, ...] = (),
+) -> da.Array:
+    """The dask array that is ``x`` rechunked to ``plan.new_chunks`` through P2P shuffles.
+
+    ``new_chunks`` are the output's chunks when they differ from the plan's (unknown sizes
+    along ``unknown_axes``, which the plan counts as one element per chunk).
+    """
+    name = OUTPUT_PREFIX + token
+    layer = RechunkLayer(name, x.name, plan, token, storage, unknown_axes)
     # An array without elements gets empty chunks that read no input: then x is no dependency.
-    reads_x = any(_reads(task, x.name) for task in dsk.values())
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x] if reads_x else [])
-    return da.Array(graph, name, plan.new_chunks, meta=x._meta)
-
-
-def _reads(task: Task, input_name: str) -> bool:
-    return any(isinstance(k, tuple) and k[0] == input_name for k in task.dependencies)
-
-
-def _shuffle_tasks(input_name: str, token: str, spec: ShuffleSpec) -> dict[Any, Any]:
-    dsk: dict[Any, Any] = {}
-    partial = spec.partial
-    transfer_name = TRANSFER_PREFIX + token
-    transfers = []
-    for flat, index in enumerate(partial.input_keys()):
-        key = (transfer_name, *index)
-        dsk[key] = Task(key, tasks.transfer, TaskRef((input_name, *index)), spec.id, flat)
-        transfers.append(TaskRef(key))
-    bkey = barrier_key(spec.id)
-    dsk[bkey] = BarrierTask(bkey, tasks.barrier, spec.id, *transfers, spec=spec)
-    for flat in range(partial.n_outputs):
-        key = spec.output_key(flat)
-        dsk[key] = UnpackTask(key, tasks.unpack, spec.id, flat, TaskRef(bkey), key)
-    return dsk
-
-
-def _direct_tasks(input_name: str, name: str, partial: Partial, dtype: np.dtype) -> dict[Any, Any]:
-    dsk: dict[Any, Any] = {}
-    for flat, index in enumerate(partial.output_keys()):
-        key = (name, *index)
-        shape = partial.output_shape(flat)
-        pieces = list(partial.inputs_of_output(flat))
-        if not pieces or 0 in shape:
-            dsk[key] = Task(key, tasks.empty, shape, dtype)
-            continue
-        placements = tuple((in_sl, out_sl) for _, in_sl, out_sl in pieces)
-        refs = [TaskRef((input_name, *glob)) for glob, _, _ in pieces]
-        dsk[key] = Task(key, tasks.assemble, shape, dtype, placements, *refs)
-    return dsk
+    reads_x = plan.nbytes > 0
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x] if reads_x else [])
+    return da.Array(graph, name, new_chunks or plan.new_chunks, meta=x._meta)

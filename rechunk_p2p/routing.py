@@ -1,4 +1,4 @@
-"""Opt-in routing of dask's ``rechunk(method="p2p")`` through this engine.
+"""Opt-in routing of dask's P2P rechunks through this engine.
 
 Where it runs: the client (it swaps the ``rechunk`` function of the ``dask.array.rechunk`` module,
 which ``Array.rechunk`` imports on every call, and ``dask.array.rechunk``, the same function
@@ -23,12 +23,25 @@ def _module() -> Any:
     return sys.modules["dask.array.rechunk"]
 
 
-def _chosen_method(x: Any, chunks: Any, threshold: Any, method: str | None) -> str | None:
-    if method is not None:
-        return method
+def _runs_as_p2p(
+    x: Any, chunks: Any, threshold: Any, block_size_limit: Any, balance: bool, method: Any
+) -> bool:
+    """Whether dask would rechunk as P2P: the argument, else the config, else dask's own
+    heuristic (P2P when a distributed client exists and the tasks graph would be large)."""
     import dask
 
-    return dask.config.get("array.rechunk.method", None)
+    chosen = method or dask.config.get("array.rechunk.method", None)
+    if chosen is not None:
+        return chosen == "p2p"
+    from rechunk_p2p.api import normalize
+
+    try:
+        new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
+    except Exception:
+        return False  # dask's own rechunk reports the problem in its own words
+    if len(new) != x.ndim or new == x.chunks:
+        return False
+    return _module()._choose_rechunk_method(x.chunks, new, threshold=threshold) == "p2p"
 
 
 def _routed_rechunk(
@@ -39,9 +52,9 @@ def _routed_rechunk(
     balance: bool = False,
     method: str | None = None,
 ) -> Any:
-    """dask's ``rechunk`` with ``method="p2p"`` (argument or config) sent to rechunk_p2p."""
+    """dask's ``rechunk``, with every rechunk that dask would run as P2P sent to rechunk_p2p."""
     assert _original is not None
-    if _chosen_method(x, chunks, threshold, method) == "p2p":
+    if _runs_as_p2p(x, chunks, threshold, block_size_limit, balance, method):
         from rechunk_p2p.api import rechunk
 
         return rechunk(
@@ -51,10 +64,12 @@ def _routed_rechunk(
 
 
 def install() -> None:
-    """Route ``x.rechunk(..., method="p2p")`` and ``array.rechunk.method: p2p`` here.
+    """Route every rechunk that dask would run as P2P here.
 
-    Idempotent. xarray's ``.chunk()`` on dask-backed data follows, since it calls
-    ``rechunk``. Undo with :func:`uninstall`.
+    That is ``x.rechunk(..., method="p2p")``, ``array.rechunk.method: p2p``, and dask's own
+    choice when neither is set (P2P with a distributed client and a large all-to-all
+    rechunk), hence xarray's ``.chunk()`` on dask-backed data. Idempotent. Undo with
+    :func:`uninstall`.
     """
     global _original
     with _lock:

@@ -16,7 +16,7 @@ from distributed.core import error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
-from rechunk_p2p.errors import ClusterError, StaleRunError
+from rechunk_p2p.errors import ClusterError, RechunkRunError, StaleRunError
 from rechunk_p2p.spec import RunSpec, ShuffleSpec, barrier_key, id_from_key
 from rechunk_p2p.worker.plugin import METADATA_KEY, PLUGIN_NAME, RechunkWorkerPlugin
 
@@ -66,6 +66,15 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         return (type(self), ())  # a fresh plugin on the other side: state is per process
 
     async def start(self, scheduler: Any) -> None:
+        """Install the handlers and the worker plugin, unless another instance runs already.
+
+        Two registrations can race (several workers installing the engine at once): the first
+        claims the plugin's name before it awaits anything, the others then do nothing.
+        """
+        current = scheduler.plugins.get(self.name)
+        if current is not None and current is not self:
+            return
+        scheduler.add_plugin(self, name=self.name, idempotent=True)
         self.scheduler = scheduler
         scheduler.handlers.update(
             {
@@ -146,8 +155,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         spec = run.run_spec.spec
         tasks = self.scheduler.tasks
         pins = {}
-        for flat, index in enumerate(spec.partial.output_keys()):
-            key = (spec.output_name, *index)
+        for flat in spec.outputs:
+            key = spec.output_key(flat)
             ts = tasks.get(key)
             if ts is None or ts.state not in ("released", "waiting", "no-worker", "queued"):
                 continue
@@ -161,28 +170,58 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.scheduler.set_restrictions(originals)
         run.restricted.clear()
 
-    async def barrier(self, shuffle_id: str, run_id: int) -> dict:
-        """Every input of the run was cut: make every participant flush its sends."""
+    async def barrier(self, shuffle_id: str, run_ids: list[int]) -> dict:
+        """Every input of the run was cut: make every participant flush its sends.
+
+        ``run_ids`` are the transfers' results in the order of the spec's inputs. Transfers
+        that ran for an older run (they finished while the run was restarted) sent their shards
+        to a run that is gone: they are run again for the current run, and the barrier with
+        them. Replies ``{"run_id": ...}``, or ``{"restarted": True}`` when the barrier must be
+        rescheduled.
+        """
         run = self.active.get(shuffle_id)
-        if run is None or run.run_spec.run_id != run_id:
-            return error_message(
-                StaleRunError(
-                    f"Barrier of run {run_id} of rechunk {shuffle_id}: that run is not active"
-                )
-            )
-        msg = {"op": "rechunk_p2p_inputs_done", "shuffle_id": shuffle_id, "run_id": run_id}
+        current = run.run_spec.run_id if run is not None else None
+        stale = [i for i, r in enumerate(run_ids) if r != current]
+        if run is None or stale:
+            self._rerun_stale(shuffle_id, run, stale)
+            return {"status": "OK", "restarted": True}
+        msg = {"op": "rechunk_p2p_inputs_done", "shuffle_id": shuffle_id, "run_id": current}
         targets = [w for w in run.participants if w in self.scheduler.workers]
         results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
         for worker, result in results.items():
             if isinstance(result, Exception):
+                if self.active.get(shuffle_id) is not run:
+                    return {"status": "OK", "restarted": True}  # restarted meanwhile
                 return error_message(
-                    type(result)(
-                        f"Rechunk {shuffle_id} (run {run_id}) failed to flush on {worker}: {result}"
+                    RechunkRunError(
+                        f"Rechunk {shuffle_id} (run {current}) failed to flush its shards on "
+                        f"{worker}: {result!r}"
                     )
-                    if isinstance(result, StaleRunError)
-                    else result
                 )
-        return {"status": "OK"}
+        return {"status": "OK", "run_id": current}
+
+    def _rerun_stale(self, shuffle_id: str, run: SchedulerRun | None, stale: list[int]) -> None:
+        """Release the barrier and the stale transfers, which then run (again) for the
+        current run; with no run active, restart the whole sub-shuffle."""
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None or barrier.state != "processing":
+            return  # released or forgotten meanwhile: its own transitions handle it
+        stimulus_id = f"rechunk-p2p-stale-{shuffle_id}"
+        if run is None:
+            self._restart(shuffle_id, stimulus_id)
+            return
+        spec = run.run_spec.spec
+        keys = {_transfer_key(dt.key, spec): dt.key for dt in barrier.dependencies}
+        recs = {keys[spec.inputs[i]]: "released" for i in stale if spec.inputs[i] in keys}
+        recs[barrier.key] = "released"
+        logger.info(
+            "Rechunk %s: %d transfers ran for an older run; running them for run %d",
+            shuffle_id,
+            len(stale),
+            run.run_spec.run_id,
+        )
+        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
     def restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> dict:
         """Pin one unpack task to ``worker`` (used when it first ran elsewhere)."""
@@ -251,3 +290,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
 
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
+
+
+def _transfer_key(key: Any, spec: ShuffleSpec) -> int:
+    """The flat input index of a transfer task's key."""
+    return spec.partial.flat_input(tuple(key[1:]))

@@ -8,14 +8,22 @@ workers) for every attempt to run it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from rechunk_p2p.planning import Partial, assign_worker
 
-BARRIER_PREFIX = "rechunk-p2p-barrier-"
-TRANSFER_PREFIX = "rechunk-p2p-transfer-"
-OUTPUT_PREFIX = "rechunk-p2p-"
+#: Key prefixes of the engine's tasks, all different from distributed's own P2P keys
+#: (``rechunk-p2p-<token>``, ``rechunk-transfer-``, ``shuffle-barrier-``), so the dashboard and
+#: the keys show which engine ran. The output's name starts with ``rechunk-p2p`` as any P2P
+#: rechunk's does (dask's and distributed's tests look for it); the engine's intermediate
+#: tasks are named after the package.
+BARRIER_PREFIX = "rechunk_p2p-barrier-"
+TRANSFER_PREFIX = "rechunk_p2p-transfer-"
+OUTPUT_PREFIX = "rechunk-p2p-out-"
+
+Slices = tuple[slice, ...]
 
 
 def barrier_key(shuffle_id: str) -> str:
@@ -30,6 +38,20 @@ def id_from_key(key: object) -> str | None:
     return None
 
 
+def widen(slices: Slices, axes: tuple[int, ...]) -> Slices:
+    """``slices`` with a whole-axis slice along ``axes`` (axes of unknown chunk sizes).
+
+    Along such an axis the plan counts every chunk as one element; the data's real extent is
+    only known to the task that holds it, and a shard always spans its chunk there.
+
+    >>> widen((slice(0, 1), slice(2, 4)), (0,))
+    (slice(None, None, None), slice(2, 4, None))
+    """
+    if not axes:
+        return slices
+    return tuple(slice(None) if a in axes else s for a, s in enumerate(slices))
+
+
 @dataclass(frozen=True)
 class ShuffleSpec:
     """**Immutable.** One sub-shuffle of a rechunk, independent of any attempt to run it.
@@ -37,17 +59,21 @@ class ShuffleSpec:
     Parameters
     ----------
     id
-        Unique id (``<token>-<partial index>``).
+        Unique id (``<token>-<partial index>``, plus a digest of ``keep`` when culled).
     partial
-        The partial: its input and output chunks.
+        The partial: its input and output chunks (one element per chunk along
+        ``unknown_axes``).
     dtype
         The array's dtype.
     storage
         ``"disk"``, ``"memory"`` or ``"auto"`` (read from config on the client).
     output_name
         Name of the output array (the unpack tasks' keys are ``(output_name, *index)``).
-    buffer_estimate
-        Estimated bytes each worker buffers for this rechunk (used by ``storage="auto"``).
+    keep
+        Flat indices of the outputs to build (a graph culled to part of the output), or
+        ``None`` for all of them. Inputs that touch none of them are not transferred.
+    unknown_axes
+        Axes of unknown (NaN) chunk sizes; chunks are unchanged along them.
     """
 
     id: str
@@ -55,19 +81,55 @@ class ShuffleSpec:
     dtype: np.dtype
     storage: str
     output_name: str
-    buffer_estimate: int
+    keep: frozenset[int] | None = None
+    unknown_axes: tuple[int, ...] = ()
 
     def output_key(self, flat: int) -> tuple:
         """The key of the unpack task of output ``flat``."""
         return (self.output_name, *self.partial.output_index(flat))
+
+    @cached_property
+    def outputs(self) -> tuple[int, ...]:
+        """Flat indices of the outputs this sub-shuffle builds, ascending."""
+        if self.keep is None:
+            return tuple(range(self.partial.n_outputs))
+        return tuple(sorted(self.keep))
+
+    @cached_property
+    def inputs(self) -> tuple[int, ...]:
+        """Flat indices of the inputs with a shard for one of :attr:`outputs`, ascending."""
+        if self.keep is None:
+            return tuple(range(self.partial.n_inputs))
+        needed = {i for out in self.keep for i, _ in self.partial.shards_of_output(out)}
+        return tuple(sorted(needed))
+
+    @cached_property
+    def _rank(self) -> dict[int, int] | None:
+        return None if self.keep is None else {o: r for r, o in enumerate(self.outputs)}
+
+    def builds(self, flat: int) -> bool:
+        """Whether output ``flat`` is built (not culled away)."""
+        return self.keep is None or flat in self.keep
+
+    def rank(self, flat: int) -> int:
+        """Position of output ``flat`` among :attr:`outputs`."""
+        return flat if self._rank is None else self._rank[flat]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the sub-shuffle moves, at most (8 bytes an element for object dtype)."""
+        itemsize = 8 if self.dtype.hasobject else max(self.dtype.itemsize, 1)
+        share = len(self.inputs) / max(self.partial.n_inputs, 1)
+        return int(self.partial.size * itemsize * share)
 
 
 @dataclass(frozen=True)
 class RunSpec:
     """**Immutable.** One attempt to run a sub-shuffle: the spec, a run id and its workers.
 
-    Output ``i`` is owned by ``workers[assign_worker(i, n_outputs, len(workers), shift)]``;
-    ``dataplanes[k]`` is the data plane address of ``workers[k]``.
+    The built outputs, in ascending order, are split into contiguous balanced blocks, one per
+    worker, rotated by ``shift``; ``dataplanes[k]`` is the data plane address of
+    ``workers[k]``.
     """
 
     spec: ShuffleSpec
@@ -81,7 +143,8 @@ class RunSpec:
         return self.spec.id
 
     def worker_position(self, flat: int) -> int:
-        return assign_worker(flat, self.spec.partial.n_outputs, len(self.workers), self.shift)
+        spec = self.spec
+        return assign_worker(spec.rank(flat), len(spec.outputs), len(self.workers), self.shift)
 
     def worker_for(self, flat: int) -> str:
         """The worker that assembles output ``flat``."""

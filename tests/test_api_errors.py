@@ -89,16 +89,30 @@ def test_unchanged_unknown_sizes_return_the_input():
 
 
 @gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
-async def test_missing_worker_plugin_is_a_cluster_error(c, s, a, b):
-    """Without register() (an asynchronous client does not register by itself) or a preload,
-    the first transfer says what to do; nothing is left behind."""
+async def test_asynchronous_client_needs_no_register(c, s, a, b):
+    """An asynchronous client that never called register(): the first task installs the
+    scheduler plugin, which installs the worker plugin everywhere; nothing is left behind."""
+    assert PLUGIN not in s.plugins
+    x = da.from_array(np.arange(100).reshape(10, 10), chunks=(1, 10))
+    y = rechunk_p2p.rechunk(x, (10, 1))
+    check_result(await c.compute(y), np.arange(100).reshape(10, 10))
+    assert PLUGIN in s.plugins
+    assert PLUGIN in a.plugins and PLUGIN in b.plugins
+    assert s.plugins[PLUGIN].runs_created == 1
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_scheduler_refusing_plugins_is_a_cluster_error(c, s, a, b):
+    """A scheduler that refuses plugins (injected): the first transfer says what to do."""
+
+    async def refuse(*args, **kwargs):
+        raise PermissionError("plugins are not allowed here")
+
+    s.handlers["register_scheduler_plugin"] = refuse
     x = da.from_array(np.arange(100).reshape(10, 10), chunks=(1, 10))
     y = rechunk_p2p.rechunk(x, (10, 1))
     with pytest.raises(ClusterError, match="register"):
         await c.compute(y)
     assert PLUGIN not in s.plugins
-    await assert_clean(s, a, b)
-    await rechunk_p2p.register(c)
-    y = rechunk_p2p.rechunk(x, (10, 2))  # y's keys may still hold the error a while
-    check_result(await c.compute(y), np.arange(100).reshape(10, 10))
     await assert_clean(s, a, b)

@@ -8,8 +8,8 @@ imported into this module and run with :func:`rechunk_p2p.install` in effect,
 ``array.rechunk.method: p2p`` set and a distributed client active, so ``x.rechunk(...)`` and
 the suite's own ``rechunk(...)`` go through :func:`rechunk_p2p.rechunk`. Tests of dask's tasks
 algorithm itself (``plan_rechunk``, ``intersect_chunks``, ``old_to_new``, ``_breakpoints``, ...)
-do not route here and run unchanged. The tests in :data:`DESELECTED` are left out, each with
-its reason. dask's tests that need ``dask.dataframe`` skip themselves when pyarrow is missing.
+do not route here and run unchanged. Nothing is deselected. dask's tests that need
+``dask.dataframe`` skip themselves when pyarrow is missing (the test extras install it).
 
 The tests below the import compare the engine with ``method="tasks"`` where the suite is thin:
 ``threshold`` and ``block_size_limit``, ``"auto"`` for many dtypes, ``balance=True``, arrays of
@@ -36,24 +36,9 @@ from tests.conftest import assert_clean_sync
 
 dask_suite = pytest.importorskip("dask.array.tests.test_rechunk")
 
-_KNOWN_AXIS_OF_UNKNOWN_ARRAY = (
-    "rechunks an array with unknown (NaN) chunk sizes along a known axis, which dask's tasks "
-    "method can do and the P2P engine deliberately refuses (ValueError asking for "
-    "compute_chunk_sizes()); see test_unknown_chunk_sizes below"
-)
-
-#: Tests of dask's suite that are not run here, with the reason. All of them exercise the one
-#: deliberate difference. (They also need dask.dataframe, so without pyarrow they would skip.)
-DESELECTED: dict[str, str] = {
-    "test_rechunk_unknown_from_pandas": _KNOWN_AXIS_OF_UNKNOWN_ARRAY,
-    "test_rechunk_with_fully_unknown_dimension": _KNOWN_AXIS_OF_UNKNOWN_ARRAY,
-    "test_rechunk_with_partially_unknown_dimension": _KNOWN_AXIS_OF_UNKNOWN_ARRAY,
-    "test_rechunk_with_fully_unknown_dimension_explicit": _KNOWN_AXIS_OF_UNKNOWN_ARRAY,
-    "test_rechunk_with_partially_unknown_dimension_explicit": _KNOWN_AXIS_OF_UNKNOWN_ARRAY,
-    # Its first three checks pass under the engine (same errors as dask). The last one builds
-    # da.concatenate([x, y]), which rechunks y (unknown rows) to x's column chunks first.
-    "test_rechunk_unknown_raises": _KNOWN_AXIS_OF_UNKNOWN_ARRAY,
-}
+#: Tests of dask's suite that are not run here, with the reason: none. Every test of the
+#: suite runs; those of dask's tasks algorithm itself do not route here and run unchanged.
+DESELECTED: dict[str, str] = {}
 
 
 def _import_suite() -> list[str]:
@@ -305,8 +290,13 @@ def _unknown_rows():
     return x, y
 
 
+def _same(a, b) -> bool:
+    return rechunk_p2p.api._same_chunks(a, b)
+
+
 def test_unknown_chunk_sizes(engine_calls):
-    """Identity and errors as in dask; only a real rechunk raises the deliberate ValueError."""
+    """Identity, errors and results as in dask: a known axis of an array with unknown chunk
+    sizes along another is rechunked by the engine (the unknown axis passes through)."""
     x, y = _unknown_rows()
     for same in [y.chunks, (None, 5), {1: 5}, {}, ((np.nan, np.nan), None)]:
         assert y.rechunk(same) is y
@@ -314,13 +304,17 @@ def test_unknown_chunk_sizes(engine_calls):
         assert _assert_same_outcome(y, bad)[0] == "error"
     with pytest.raises(ValueError, match="Chunks must be unchanging"):
         y.rechunk(((5, 5), (5, 5)))
-    # The deliberate difference: dask's tasks method rechunks the known axis...
-    assert _tasks(y, (None, 10)).chunks[1] == (10,)
-    # ...the engine asks for the sizes first, and works once they are known.
-    with pytest.raises(ValueError, match=r"compute_chunk_sizes\(\)"):
-        y.rechunk((None, 10))
-    with pytest.raises(ValueError, match=r"compute_chunk_sizes\(\)"):
-        rechunk_p2p.plan(y, (None, 10))
+    expected = _tasks(y, (None, 10))
+    for target, shuffled in [((None, 10), False), ({1: 1}, False), ((None, (3, 7)), True)]:
+        calls = len(engine_calls)
+        z = y.rechunk(target)
+        assert len(engine_calls) == calls + 1
+        own = z.dask.layers[z.name]
+        assert shuffled == any(str(k).startswith(BARRIER_PREFIX) for k in own)
+        assert _same(z.chunks, _tasks(y, target).chunks)
+        np.testing.assert_array_equal(z.compute(), x.compute())
+    assert "unknown" in repr(rechunk_p2p.plan(y, (None, 10)))
+    assert _same(y.rechunk((None, 10)).chunks, expected.chunks)
     known = y.compute_chunk_sizes()
     z = known.rechunk((2, 10))
     assert z.chunks == ((2,) * 5, (10,))

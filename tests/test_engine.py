@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import dask
 import dask.array as da
@@ -88,22 +89,42 @@ async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, 
     await assert_clean(s, a, b)
 
 
-@gen_cluster(client=True, nthreads=[])
-async def test_process_tuning_applies_while_plugin_runs_and_is_undone(c, s):
-    """GIL switch interval shortened and the heap frozen while workers run; both undone."""
+_TUNING_GATE = threading.Event()  # gen_cluster workers run in this process
+
+
+def _wait_at_gate(block):
+    assert _TUNING_GATE.wait(20)
+    return block
+
+
+@gen_cluster(client=True, nthreads=NTHREADS_2)
+async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
+    """GIL switch interval shortened and the heap frozen while a run is open on a worker of
+    this process; untouched before the first run and restored after the last one closes."""
     import gc
     import sys
-
-    from distributed import Worker
 
     before = sys.getswitchinterval()
     frozen_before = gc.get_freeze_count()
     await rechunk_p2p.register(c)
-    async with Worker(s.address, nthreads=1), Worker(s.address, nthreads=1):
-        await c.wait_for_workers(2)
-        while len(s.get_metadata(["rechunk-p2p-dataplane"], default={})) < 2:
-            await asyncio.sleep(0.01)
-        assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
-        assert gc.get_freeze_count() > frozen_before
+    assert sys.getswitchinterval() == before  # plugins running, no run open
+    assert gc.get_freeze_count() == frozen_before
+    _TUNING_GATE.clear()
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_wait_at_gate, meta=x._meta)
+    fut = c.compute(y)
+    while not any(_runs(w) for w in (a, b)):
+        await asyncio.sleep(0.005)
+    assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
+    assert gc.get_freeze_count() > frozen_before
+    _TUNING_GATE.set()
+    await fut
+    del fut
+    await assert_clean(s, a, b)
     assert sys.getswitchinterval() == before
     assert gc.get_freeze_count() == frozen_before
+
+
+def _runs(worker) -> dict:
+    plugin = worker.plugins.get("rechunk-p2p")
+    return plugin.runs if plugin is not None else {}

@@ -1,7 +1,7 @@
 """``rechunk_p2p.install()``: routing dask's ``rechunk(method="p2p")`` through the engine.
 
 distributed's own P2P rechunk also names its output ``rechunk-p2p-<token>``, so a graph is
-recognised as the engine's by its barrier keys (``rechunk-p2p-barrier-...``) and by the runs
+recognised as the engine's by its barrier keys (``rechunk_p2p-barrier-...``) and by the runs
 the scheduler plugin creates, not by the output name alone.
 """
 

@@ -59,6 +59,7 @@ class RechunkPlan:
     new_chunks: Chunks
     n_workers: int = 1
     source_chunks: Chunks | None = None
+    unknown_axes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -150,6 +151,7 @@ class RechunkPlan:
         return "\n".join(
             [
                 f"RechunkPlan<{self.shape} {self.dtype}, {format_bytes(self.nbytes)}>",
+                "  engine       rechunk_p2p (P2P shuffle)",
                 f"  chunks       {_chunk_summary(self.source_chunks or self.old_chunks)} -> "
                 f"{_chunk_summary(self.new_chunks)}",
                 *(
@@ -158,6 +160,14 @@ class RechunkPlan:
                         f"{_chunk_summary(self.old_chunks)} by plain tasks before the shuffle"
                     ]
                     if self.merged and self.source_chunks is not None
+                    else []
+                ),
+                *(
+                    [
+                        f"  unknown      axes {list(self.unknown_axes)} have unknown chunk "
+                        "sizes (kept as they are; sizes count one element per chunk)"
+                    ]
+                    if self.unknown_axes
                     else []
                 ),
                 f"  chunk count  {self.n_input_chunks} -> {self.n_output_chunks}"

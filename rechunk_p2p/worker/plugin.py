@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask.utils import parse_timedelta
-from distributed import WorkerPlugin
+from distributed import Reschedule, WorkerPlugin
+from distributed.core import clean_exception
+from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "rechunk-p2p"
 _CLOSED_IDS_KEPT = 10_000
 METADATA_KEY = "rechunk-p2p-dataplane"
+#: How long a task waits for the plugins to arrive when it installs them itself.
+_INSTALL_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +74,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         # highest run id the scheduler closed, per shuffle id (bounded, oldest dropped first)
         self._closed_run_ids: OrderedDict[str, int] = OrderedDict()
         self._background: set[asyncio.Future[None]] = set()
-        self._switch_held = False
+        self._ready = threading.Event()
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -88,11 +92,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
             concurrency=config.get("comm.concurrency"),
         )
         address = await asyncio.to_thread(self.dataplane.start_blocking)
-        _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
-        self._switch_held = True
         worker.handlers["rechunk_p2p_inputs_done"] = self._inputs_done
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
+        self._ready.set()
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
 
     async def teardown(self, worker: Any) -> None:
@@ -106,9 +109,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
             await asyncio.to_thread(self.dataplane.stop_blocking)
         if self.offload is not None:
             self.offload.shutdown(wait=False)
-        if self._switch_held:
-            self._switch_held = False
-            _tuning.release()
 
     # --- runs -----------------------------------------------------------------------------
 
@@ -137,9 +137,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         response = await self.worker.scheduler.rechunk_p2p_get_or_create(
             shuffle_id=shuffle_id, worker=self.worker.address
         )
-        if response["status"] != "OK":
-            raise StaleRunError(response["message"])
-        run_spec: RunSpec = response["run_spec"]
+        run_spec: RunSpec = _checked(response)["run_spec"]
         with self._lock:
             old = self.runs.get(shuffle_id)
         if old is not None:
@@ -154,7 +152,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             if not closed:
                 self.runs[shuffle_id] = run
         if closed:
-            await run.close()
+            await self._close_run(run)
             raise StaleRunError(
                 f"Run {run_spec.run_id} of rechunk {shuffle_id} was closed before "
                 f"{self.worker.address} joined it"
@@ -187,9 +185,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 config.get_seconds("comm.retry-delay-max"),
             ),
         )
-        return WorkerRun(
+        run = WorkerRun(
             run_spec, self.worker.address, store, storage, dataplane, self.offload, comm
         )
+        _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
+        return run
 
     def _resolve_storage(self, run_spec: RunSpec) -> str:
         storage = run_spec.spec.storage
@@ -199,14 +199,17 @@ class RechunkWorkerPlugin(WorkerPlugin):
         if not limit:
             return "memory"
         budget = limit * config.get("storage-memory-fraction")
-        return "memory" if run_spec.spec.buffer_estimate <= budget else "disk"
+        estimate = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
+        return "memory" if estimate <= budget else "disk"
 
     async def _close_run(self, run: WorkerRun) -> None:
         with self._lock:
             if self.runs.get(run.id) is run:
                 del self.runs[run.id]
         stats = run.statistics()
-        await run.close()
+        if not await run.close():
+            return
+        _tuning.release()
         with self._lock:
             totals = self._closed_totals
             totals[0] += 1
@@ -259,27 +262,62 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     # --- task threads ---------------------------------------------------------------------
 
-    def barrier_blocking(self, shuffle_id: str, run_id: int) -> None:
-        """From the barrier task: ask the scheduler to flush every worker's sends."""
-        from_thread(self.worker.loop.asyncio_loop, self._barrier, shuffle_id, run_id)
+    def transfer_blocking(self, shuffle_id: str, flat: int, data: Any) -> int:
+        """From a transfer task: cut input ``flat`` into shards and send them; its run id."""
+        run = self.get_run_blocking(shuffle_id)
+        run.add_input_blocking(flat, data)
+        return run.run_id
 
-    async def _barrier(self, shuffle_id: str, run_id: int) -> None:
-        response = await self.worker.scheduler.rechunk_p2p_barrier(
-            shuffle_id=shuffle_id, run_id=run_id
+    def barrier_blocking(self, shuffle_id: str, run_ids: tuple[int, ...]) -> int:
+        """From the barrier task: make every worker flush its sends; the run id.
+
+        ``run_ids`` are the transfers' results, in the order of the spec's inputs. When some
+        belong to an older run (a transfer that ran while the run was restarted), the scheduler
+        re-runs those transfers (or restarts the rechunk) and this task is rescheduled.
+        """
+        response = from_thread(
+            self.worker.loop.asyncio_loop, self._barrier, shuffle_id, list(run_ids)
         )
-        if response["status"] != "OK":
-            raise StaleRunError(response["message"])
+        if response.get("restarted"):
+            raise Reschedule()
+        return response["run_id"]
 
-    def restrict_blocking(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> None:
-        """From an unpack task on the wrong worker: pin it to the worker that owns its data."""
-        from_thread(self.worker.loop.asyncio_loop, self._restrict, shuffle_id, run_id, key, worker)
+    async def _barrier(self, shuffle_id: str, run_ids: list[int]) -> dict:
+        response = await self.worker.scheduler.rechunk_p2p_barrier(
+            shuffle_id=shuffle_id, run_ids=run_ids
+        )
+        return _checked(response)
+
+    def unpack_blocking(self, shuffle_id: str, flat: int, run_id: int, key: Any) -> Any:
+        """From an unpack task: output ``flat`` of run ``run_id``, assembled from its shards.
+
+        A task that runs on the wrong worker is pinned to the right one and rescheduled; a
+        task of a run that was replaced is rescheduled (the scheduler released it already).
+        """
+        run = self.get_run_blocking(shuffle_id)
+        if run.run_id != run_id:
+            raise Reschedule()
+        owner = run.run_spec.worker_for(flat)
+        if owner != self.worker.address:
+            from_thread(
+                self.worker.loop.asyncio_loop, self._restrict, shuffle_id, run_id, key, owner
+            )
+            raise Reschedule()
+        return run.get_output_blocking(flat)
 
     async def _restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> None:
         response = await self.worker.scheduler.rechunk_p2p_restrict(
             shuffle_id=shuffle_id, run_id=run_id, key=ToPickle(key), worker=worker
         )
-        if response["status"] != "OK":
-            raise StaleRunError(response["message"])
+        _checked(response)
+
+    def wait_ready_blocking(self, timeout: float = _INSTALL_TIMEOUT) -> None:
+        """Wait until :meth:`setup` finished (a task may find the plugin while it starts)."""
+        if not self._ready.wait(timeout):
+            raise ClusterError(
+                f"The rechunk_p2p worker plugin on {self.worker.address} did not start "
+                f"within {timeout:g} s"
+            )
 
     # --- diagnostics ----------------------------------------------------------------------
 
@@ -302,17 +340,17 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
 class _ProcessTuning:
     """**Thread-safe (guarded by `_lock`).** Interpreter settings that keep the event loop
-    responsive, applied while any worker plugin of this process runs and undone when the
-    last one stops.
+    responsive, applied while any run is open in this process and undone when the last one
+    closes, so that other work on the cluster sees the interpreter as its user set it.
 
     - The GIL switch interval: a thread waiting for the GIL (the event loop, after its timer
       fired) waits up to one interval per hand-over while task, data-plane and offload
       threads run Python code; a shorter interval bounds how long the loop waits.
     - ``gc.freeze``: every full garbage collection walks every tracked object of the process
-      and stops all its threads, the loop included. Most of a worker's objects (modules,
-      distributed's own state) live as long as the process; after one last collection,
-      freezing them leaves them out of later collections, which cut the longest pauses
-      during a rechunk several-fold. ``gc.unfreeze`` when the last plugin stops.
+      and stops all its threads, the loop included. Freezing the objects that exist when the
+      run opens (modules, distributed's own state, the user's data) leaves them out of the
+      collections during the run, which cuts the longest pauses several-fold.
+      ``gc.unfreeze`` when the last run closes hands them back to the oldest generation.
     """
 
     def __init__(self) -> None:
@@ -329,8 +367,7 @@ class _ProcessTuning:
             if interval is not None:
                 self._switch = sys.getswitchinterval()
                 sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
-            if freeze:
-                gc.collect()
+            if freeze:  # O(1): moves the tracked objects aside, traverses nothing
                 gc.freeze()
                 self._frozen = True
 
@@ -348,6 +385,55 @@ class _ProcessTuning:
 
 
 _tuning = _ProcessTuning()
+
+
+def _checked(response: dict) -> dict:
+    """An RPC reply, or its error raised with its own type."""
+    if response.get("status") == "error":
+        _, exc, tb = clean_exception(**response)
+        assert exc is not None
+        raise exc.with_traceback(tb)
+    return response
+
+
+def plugin_for_task(worker: Any) -> RechunkWorkerPlugin:
+    """From a task thread: the plugin of ``worker``, installed on the cluster if missing.
+
+    A rechunk computed by a client that never registered the plugins (an asynchronous client,
+    a graph built elsewhere) installs them here, once per cluster: the scheduler plugin, which
+    in turn registers this plugin on every current and future worker.
+    """
+    if PLUGIN_NAME not in worker.plugins:
+        from_thread(worker.loop.asyncio_loop, _install, worker)
+    plugin = get_plugin(worker)
+    plugin.wait_ready_blocking()
+    return plugin
+
+
+async def _install(worker: Any) -> None:
+    """On the worker loop: register the scheduler plugin; wait for the worker plugin."""
+    from rechunk_p2p.scheduler import RechunkSchedulerPlugin
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _INSTALL_TIMEOUT
+    try:
+        await worker.scheduler.register_scheduler_plugin(
+            plugin=dumps(RechunkSchedulerPlugin()), name=PLUGIN_NAME, idempotent=True
+        )
+    except Exception as e:
+        raise ClusterError(
+            f"Worker {worker.address} could not install rechunk_p2p on the scheduler ({e}); "
+            "call rechunk_p2p.register(client) or start the scheduler with "
+            "--preload rechunk_p2p"
+        ) from e
+    # another worker's request may still be registering the worker plugin everywhere
+    while PLUGIN_NAME not in worker.plugins:
+        if loop.time() > deadline:
+            raise ClusterError(
+                f"The rechunk_p2p worker plugin did not reach {worker.address} within "
+                f"{_INSTALL_TIMEOUT:g} s of installing it"
+            )
+        await asyncio.sleep(0.02)
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:

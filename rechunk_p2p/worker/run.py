@@ -19,7 +19,7 @@ from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.wire import Packed, pack_blocking, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
-from rechunk_p2p.spec import RunSpec
+from rechunk_p2p.spec import RunSpec, widen
 from rechunk_p2p.worker.dataplane import DataPlane
 
 
@@ -129,10 +129,14 @@ class WorkerRun:
         send buffer is full.
         """
         self._raise_if_closed()
-        partial = self.run_spec.spec.partial
+        spec = self.run_spec.spec
+        partial = spec.partial
         data = np.asarray(data)
         expected = partial.input_shape(flat)
-        if data.shape != expected:
+        if data.ndim != len(expected) or any(
+            n != e for a, (n, e) in enumerate(zip(data.shape, expected))
+            if a not in spec.unknown_axes
+        ):
             raise RechunkRunError(
                 f"Input chunk {partial.input_index(flat)} of rechunk {self.id} has shape "
                 f"{data.shape}, expected {expected}"
@@ -152,8 +156,11 @@ class WorkerRun:
         copy_local = self.storage == "memory"
         local: list[Shard] = []
         remote: defaultdict[str, list[Shard]] = defaultdict(list)
+        unknown = spec.spec.unknown_axes
         for out, slices in spec.spec.partial.shards_of_input(flat):
-            view = data[slices]
+            if not spec.spec.builds(out):
+                continue
+            view = data[widen(slices, unknown)]
             if spec.worker_for(out) == self.worker_address:
                 # the memory store keeps what it gets: copy, so the input chunk can be freed;
                 # the disk store copies views into its file itself
@@ -167,11 +174,14 @@ class WorkerRun:
     def get_output_blocking(self, flat: int) -> np.ndarray:
         """Assemble output chunk ``flat`` from its shards. Runs in a task thread."""
         self._raise_if_closed()
-        partial = self.run_spec.spec.partial
-        shape = partial.output_shape(flat)
+        spec = self.run_spec.spec
+        partial = spec.partial
         placement = dict(partial.shards_of_output(flat))
-        out = np.empty(shape, dtype=self.run_spec.spec.dtype)
-        received = self._store.read_into_blocking(flat, out, placement)
+        if spec.unknown_axes:
+            out, received = self._read_unknown_blocking(flat, placement)
+        else:
+            out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+            received = self._store.read_into_blocking(flat, out, placement)
         if len(received) != len(placement) or set(received) != set(placement):
             missing = sorted(set(placement) - set(received))
             raise RechunkRunError(
@@ -182,6 +192,23 @@ class WorkerRun:
         with self._lock:
             self._outputs += 1
         return out
+
+    def _read_unknown_blocking(
+        self, flat: int, placement: dict[int, tuple[slice, ...]]
+    ) -> tuple[np.ndarray, list[int]]:
+        """Output ``flat`` when some axes have unknown chunk sizes: its extent there is the
+        shards' (every shard spans its chunk along those axes)."""
+        spec = self.run_spec.spec
+        shards = self._store.read_blocking(flat)
+        shape = spec.partial.output_shape(flat)
+        if shards:
+            like = shards[0][1].shape
+            shape = tuple(like[a] if a in spec.unknown_axes else n for a, n in enumerate(shape))
+        out = np.empty(shape, dtype=spec.dtype)
+        for input_, array in shards:
+            if input_ in placement:
+                out[widen(placement[input_], spec.unknown_axes)] = array
+        return out, [i for i, _ in shards]
 
     # --- data plane loop ----------------------------------------------------------------------
 
@@ -206,14 +233,19 @@ class WorkerRun:
         await on_loop(self._dataplane.loop, self._comm.flush)
         self._set_phase(RunPhase.INPUTS_DONE)
 
-    async def close(self) -> None:
-        """Stop sending, free buffered shards and remove spill files. Idempotent."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
+    async def close(self) -> bool:
+        """Stop sending, free buffered shards and remove spill files.
+
+        Idempotent: returns whether this call closed the run.
+        """
+        with self._lock:
+            if self._closed.is_set():
+                return False
+            self._closed.set()
         self._set_phase(RunPhase.CLOSED)
         await on_loop(self._dataplane.loop, self._comm.close)
         await self._offload.to_thread(self._store.close_blocking)
+        return True
 
     def statistics(self) -> RunStatistics:
         store = self._store.statistics()

@@ -1,7 +1,9 @@
 """The functions the graph's tasks call.
 
 Where it runs: task threads of the worker executing the task. Each reaches the worker's event
-loop at most once (to fetch a run the worker does not know yet, or for the barrier).
+loop at most once (to fetch a run the worker does not know yet, or for the barrier). The
+client imports this module to build graphs; the worker stack is imported inside the functions,
+on the worker, the first time a task runs there.
 
 Computed without distributed workers (dask's synchronous or threaded scheduler, as in
 ``dask.array.utils.assert_eq``), a sub-shuffle runs locally instead: each transfer passes its
@@ -15,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from distributed import Reschedule, get_worker
 
-from rechunk_p2p.errors import RechunkRunError, StaleRunError
-from rechunk_p2p.spec import ShuffleSpec
-from rechunk_p2p.worker.plugin import get_plugin
+from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.spec import ShuffleSpec, widen
+
+Placements = tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,9 @@ class LocalInput:
 
 @dataclass(frozen=True)
 class LocalShuffle:
-    """**Immutable.** Every input chunk of a sub-shuffle computed without distributed workers.
+    """**Immutable.** The input chunks of a sub-shuffle computed without distributed workers.
 
-    ``inputs[i]`` is the input chunk with flat index ``i``.
+    ``inputs[i]`` is the input chunk with flat index ``i`` (``None`` for inputs culled away).
     """
 
     spec: ShuffleSpec
@@ -42,20 +44,29 @@ class LocalShuffle:
 
     def output_blocking(self, flat: int) -> np.ndarray:
         """Cut output chunk ``flat`` from the input chunks."""
-        partial = self.spec.partial
+        partial, axes = self.spec.partial, self.spec.unknown_axes
         pieces = list(partial.inputs_of_output(flat))
-        placements = tuple((in_sl, out_sl) for _, in_sl, out_sl in pieces)
+        placements = tuple((widen(i, axes), widen(o, axes)) for _, i, o in pieces)
         data = [self.inputs[partial.flat_input(glob)] for glob, _, _ in pieces]
-        return assemble(partial.output_shape(flat), self.spec.dtype, placements, *data)
+        return assemble(
+            partial.output_shape(flat), self.spec.dtype, placements, *data, unknown=axes
+        )
 
 
-def _on_worker() -> bool:
-    """Whether this task runs on a distributed worker (not under a local dask scheduler)."""
+def _worker() -> Any:
+    """The distributed worker running this task, or None under a local dask scheduler."""
     try:
-        get_worker()
-    except ValueError:
-        return False
-    return True
+        from distributed import get_worker
+
+        return get_worker()
+    except (ImportError, ValueError):
+        return None
+
+
+def _plugin(worker: Any) -> Any:
+    from rechunk_p2p.worker.plugin import plugin_for_task
+
+    return plugin_for_task(worker)
 
 
 def _gather_local(spec: ShuffleSpec | None, parts: tuple[Any, ...]) -> LocalShuffle:
@@ -76,11 +87,10 @@ def transfer(data: np.ndarray, shuffle_id: str, flat: int) -> int | LocalInput:
     Returns the run id, which the barrier checks for consistency (without distributed
     workers: the chunk itself, as a :class:`LocalInput`).
     """
-    if not _on_worker():
+    worker = _worker()
+    if worker is None:
         return LocalInput(flat, data)
-    run = get_plugin().get_run_blocking(shuffle_id)
-    run.add_input_blocking(flat, data)
-    return run.run_id
+    return _plugin(worker).transfer_blocking(shuffle_id, flat, data)
 
 
 def barrier(
@@ -93,15 +103,7 @@ def barrier(
     """
     if any(isinstance(r, LocalInput) for r in run_ids):
         return _gather_local(spec, run_ids)
-    ids = set(run_ids)
-    if len(ids) != 1:
-        raise StaleRunError(
-            f"The transfers of rechunk {shuffle_id} belong to different runs {sorted(ids)}; "
-            "the rechunk was restarted while they ran"
-        )
-    (run_id,) = ids
-    get_plugin().barrier_blocking(shuffle_id, run_id)
-    return run_id
+    return _plugin(_worker()).barrier_blocking(shuffle_id, run_ids)
 
 
 def unpack(
@@ -113,32 +115,26 @@ def unpack(
     """
     if isinstance(run_id, LocalShuffle):
         return run_id.output_blocking(flat)
-    plugin = get_plugin()
-    run = plugin.get_run_blocking(shuffle_id)
-    if run.run_id != run_id:
-        raise StaleRunError(
-            f"Output {flat} of rechunk {shuffle_id} expected run {run_id}, "
-            f"but this worker runs run {run.run_id}"
-        )
-    owner = run.run_spec.worker_for(flat)
-    if owner != get_worker().address:
-        plugin.restrict_blocking(shuffle_id, run_id, key, owner)
-        raise Reschedule()
-    return run.get_output_blocking(flat)
+    return _plugin(_worker()).unpack_blocking(shuffle_id, flat, run_id, key)
 
 
 def assemble(
     shape: tuple[int, ...],
     dtype: np.dtype,
-    placements: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...],
+    placements: Placements,
     *inputs: np.ndarray,
+    unknown: tuple[int, ...] = (),
 ) -> np.ndarray:
     """Build an output chunk directly from its input chunks (no shuffle needed).
 
     ``placements[i]`` is (slices of input ``i``, slices of the output) for every input.
+    Along ``unknown`` axes (unknown chunk sizes) the output takes the inputs' extent.
     """
     if len(inputs) != len(placements):
         raise RechunkRunError(f"Got {len(inputs)} inputs for {len(placements)} placements")
+    if unknown and inputs:
+        first = np.asarray(inputs[0])
+        shape = tuple(first.shape[a] if a in unknown else n for a, n in enumerate(shape))
     if len(inputs) == 1:
         in_slices, _ = placements[0]
         piece = np.asarray(inputs[0])[in_slices]
