@@ -16,8 +16,9 @@ Suites and modes:
 ``distributed``
     ``distributed/shuffle/tests/test_rechunk.py`` plus ``test_stress.py::test_chaos_rechunk``
     and ``::test_close_connections`` from a snapshot of dask/distributed (its tests are not in
-    its wheel), with :func:`rechunk_p2p.install` in effect and nothing else changed. Pass the
-    snapshot's git directory with ``--distributed``.
+    its wheel), with :func:`rechunk_p2p.install` in effect; the suite's own ``rechunk`` name,
+    bound to dask's function when the module was imported, is pointed at the routed one. Pass
+    the snapshot's git directory with ``--distributed``.
 
 Every test's outcome is recorded with the number of rechunks the engine built for it, so a
 test that passed without reaching the engine shows as such. Deselected tests are listed in
@@ -132,13 +133,16 @@ if MODE == "distributed":
 def _route(request, monkeypatch):
     import dask
 
+    suite = sys.modules[request.module.__name__]
     if MODE == "distributed":
         with rechunk_p2p.installed():
+            # the suite bound dask's ``rechunk`` at import time, before the routing existed
+            if hasattr(suite, "rechunk"):
+                monkeypatch.setattr(suite, "rechunk", sys.modules["dask.array.rechunk"].rechunk)
             yield
         return
     from distributed import Client, LocalCluster
 
-    suite = sys.modules[request.module.__name__]
     with LocalCluster(
         processes=False, n_workers=2, threads_per_worker=1, dashboard_address=":0"
     ) as cluster, Client(cluster):

@@ -11,7 +11,7 @@ task per output chunk under the same output name.
 
 Culling (computing part of the output) keeps, per partial, only the outputs asked for and the
 inputs that hold a piece of one of them: the culled sub-shuffle is a smaller shuffle with an
-id of its own.
+id of its own, or plain tasks when one output chunk is left.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ class RechunkLayer(Layer):
             keep = self._kept_in(partial)
             if keep is not None and not keep:
                 continue
-            if partial.needs_shuffle:
+            # culled to one output chunk, a partial is a plain concatenation of its inputs
+            if partial.needs_shuffle and (keep is None or len(keep) > 1):
                 dsk.update(self._shuffle_tasks(partial, keep))
             else:
                 dsk.update(self._direct_tasks(partial, keep))
