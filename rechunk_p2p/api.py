@@ -104,7 +104,16 @@ def rechunk(
         )
         x = x.rechunk(merged, method="tasks")
     logger.debug("rechunk_p2p: %s -> %s runs on the P2P engine (token %s)", x.name, new, token)
+    if _is_expression(x):  # dask's array query planning
+        from rechunk_p2p.integrations.array_expr import p2p_rechunk_expr
+
+        return p2p_rechunk_expr(x, the_plan, token, storage, new, unknown)
     return build_rechunk(x, the_plan, token, storage, new_chunks=new, unknown_axes=unknown)
+
+
+def _is_expression(x: da.Array) -> bool:
+    """Whether ``x`` is an array of dask's query planning (an expression collection)."""
+    return type(x).__module__.startswith("dask.array._array_expr")
 
 
 def _unknown_axes(x: da.Array) -> tuple[int, ...]:

@@ -14,13 +14,25 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _lock = threading.Lock()
-_original: Callable[..., Any] | None = None
+#: ``(module, the rechunk install() replaced, its replacement)`` while installed
+_swapped: list[tuple[Any, Callable[..., Any], Callable[..., Any]]] = []
 
 
 def _module() -> Any:
     import dask.array.rechunk  # noqa: F401  (ensure the module is imported)
 
     return sys.modules["dask.array.rechunk"]
+
+
+def _targets() -> list[Any]:
+    """The modules whose ``rechunk`` dask calls: the classic one, and with array query
+    planning the expression collection's (``Array.rechunk`` looks it up there)."""
+    import dask.array as da
+
+    modules = [_module()]
+    if da.Array.__module__.startswith("dask.array._array_expr"):
+        modules.append(sys.modules[da.Array.__module__])
+    return modules
 
 
 def _runs_as_p2p(
@@ -44,23 +56,28 @@ def _runs_as_p2p(
     return _module()._choose_rechunk_method(x.chunks, new, threshold=threshold) == "p2p"
 
 
-def _routed_rechunk(
-    x: Any,
-    chunks: Any = "auto",
-    threshold: Any = None,
-    block_size_limit: Any = None,
-    balance: bool = False,
-    method: str | None = None,
-) -> Any:
-    """dask's ``rechunk``, with every rechunk that dask would run as P2P sent to rechunk_p2p."""
-    assert _original is not None
-    if _runs_as_p2p(x, chunks, threshold, block_size_limit, balance, method):
-        from rechunk_p2p.api import rechunk
+def _router(original: Callable[..., Any]) -> Callable[..., Any]:
+    """dask's ``rechunk`` (``original``), with what dask would run as P2P sent here."""
 
-        return rechunk(
-            x, chunks, threshold=threshold, block_size_limit=block_size_limit, balance=balance
-        )
-    return _original(x, chunks, threshold, block_size_limit, balance, method)
+    def rechunk(
+        x: Any,
+        chunks: Any = "auto",
+        threshold: Any = None,
+        block_size_limit: Any = None,
+        balance: bool = False,
+        method: str | None = None,
+    ) -> Any:
+        if _runs_as_p2p(x, chunks, threshold, block_size_limit, balance, method):
+            from rechunk_p2p.api import rechunk as engine
+
+            return engine(
+                x, chunks, threshold=threshold, block_size_limit=block_size_limit, balance=balance
+            )
+        return original(x, chunks, threshold, block_size_limit, balance, method)
+
+    rechunk.__doc__ = original.__doc__
+    rechunk.__wrapped__ = original  # type: ignore[attr-defined]
+    return rechunk
 
 
 def install() -> None:
@@ -71,34 +88,32 @@ def install() -> None:
     rechunk), hence xarray's ``.chunk()`` on dask-backed data. Idempotent. Undo with
     :func:`uninstall`.
     """
-    global _original
     with _lock:
-        module = _module()
-        if _original is not None:
+        if _swapped:
             return
-        _original = module.rechunk
-        module.rechunk = _routed_rechunk
         package = sys.modules["dask.array"]
-        if getattr(package, "rechunk", None) is _original:  # da.rechunk(x, ...)
-            package.rechunk = _routed_rechunk
+        for module in _targets():
+            original = module.rechunk
+            router = _router(original)
+            _swapped.append((module, original, router))
+            module.rechunk = router
+            if getattr(package, "rechunk", None) is original:  # da.rechunk(x, ...)
+                _swapped.append((package, original, router))
+                package.rechunk = router
 
 
 def uninstall() -> None:
-    """Restore exactly the ``rechunk`` that :func:`install` replaced. Idempotent."""
-    global _original
+    """Restore exactly the ``rechunk`` functions that :func:`install` replaced. Idempotent."""
     with _lock:
-        if _original is None:
-            return
-        _module().rechunk = _original
-        package = sys.modules["dask.array"]
-        if getattr(package, "rechunk", None) is _routed_rechunk:
-            package.rechunk = _original
-        _original = None
+        while _swapped:
+            module, original, router = _swapped.pop()
+            if getattr(module, "rechunk", None) is router:
+                module.rechunk = original
 
 
 def is_installed() -> bool:
     """Whether :func:`install` is in effect."""
-    return _original is not None
+    return bool(_swapped)
 
 
 @contextlib.contextmanager
