@@ -17,11 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_engine_under_array_query_planning():
     env = {**os.environ, "DASK_ARRAY__QUERY_PLANNING": "True"}
+    command = [sys.executable, "-m", "pytest", "tests/query_planning_checks.py", "-q"]
+    command += ["-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"]
     proc = subprocess.run(
-        [
-            sys.executable, "-m", "pytest", "tests/query_planning_checks.py", "-q",
-            "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-        ],  # fmt: skip
+        command,
         cwd=ROOT,
         env=env,
         capture_output=True,
