@@ -192,3 +192,26 @@ async def test_xarray_chunk_routes_through_the_engine(c, s, a, b):
     with dask.config.set(scheduler="sync"):
         xr.testing.assert_identical(computed, ds.compute())
     await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_dask_own_choice_routes_with_no_config(c, s, a, b):
+    """No method, no config, no register(): where dask itself would pick P2P (a distributed
+    client and a large all-to-all rechunk), the engine runs; where it picks tasks, dask's
+    tasks rechunk runs. xarray's .chunk() follows."""
+    assert dask.config.get("array.rechunk.method", None) is None
+    arr = np.arange(100 * 100.0).reshape(100, 100)
+    x = da.from_array(arr, chunks=(100, 1))
+    ds = xr.Dataset({"v": (("t", "y"), arr)}).chunk({"y": 1})
+    with rechunk_p2p.installed():
+        all_to_all = x.rechunk(((1,) * 100, (100,)))
+        local = x.rechunk(((50, 50), (2,) * 50))  # dask picks tasks here
+        out = ds.chunk({"t": 1, "y": -1})
+    assert is_engine_graph(all_to_all)
+    assert not is_engine_graph(local)
+    assert is_engine_graph(out["v"].data)
+    check_result(await c.compute(all_to_all), arr)
+    check_result(await c.compute(local), arr)
+    np.testing.assert_array_equal((await c.compute(out))["v"].values, arr)
+    assert s.plugins[PLUGIN].runs_created == 2
+    await assert_clean(s, a, b)
