@@ -96,9 +96,8 @@ def _spilled(client: Client, impl: str) -> int | None:
 
 @contextlib.contextmanager
 def cluster_client(args: argparse.Namespace, local_dir: str) -> Iterator[Client]:
-    """A local cluster of ``args.workers`` processes, rechunk_p2p buffering on disk."""
+    """A local cluster of ``args.workers`` processes, every setting at its default."""
     with (
-        dask.config.set({"rechunk-p2p.storage": "disk"}),
         LocalCluster(
             n_workers=args.workers,
             threads_per_worker=args.threads,

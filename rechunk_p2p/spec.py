@@ -107,6 +107,11 @@ class ShuffleSpec:
     def _rank(self) -> dict[int, int] | None:
         return None if self.keep is None else {o: r for r, o in enumerate(self.outputs)}
 
+    @cached_property
+    def outputs_array(self) -> np.ndarray:
+        """:attr:`outputs` as an array."""
+        return np.asarray(self.outputs, dtype=np.int64)
+
     def builds(self, flat: int) -> bool:
         """Whether output ``flat`` is built (not culled away)."""
         return self.keep is None or flat in self.keep
@@ -145,6 +150,13 @@ class RunSpec:
     def worker_position(self, flat: int) -> int:
         spec = self.spec
         return assign_worker(spec.rank(flat), len(spec.outputs), len(self.workers), self.shift)
+
+    def worker_positions(self, flats: np.ndarray) -> np.ndarray:
+        """:meth:`worker_position` of many outputs at once (all built ones)."""
+        spec = self.spec
+        ranks = flats if spec.keep is None else np.searchsorted(spec.outputs_array, flats)
+        n, w = max(len(spec.outputs), 1), len(self.workers)
+        return (ranks * w // n + self.shift) % w
 
     def worker_for(self, flat: int) -> str:
         """The worker that assembles output ``flat``."""

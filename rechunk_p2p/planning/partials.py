@@ -158,6 +158,26 @@ class Partial:
         cuts = [by_old.get(i, ([], [])) for by_old, i in zip(self._cuts_by_old, local)]
         return _pair_up(cuts, self.new_grid)
 
+    def input_cuts(self, flat: int) -> tuple[list[list[int]], list[list[slice]]]:
+        """How input chunk ``flat`` is cut, per axis: the new chunk indices (local to the
+        partial) its pieces go to, and the slices of the chunk that are those pieces."""
+        local = _unravel(flat, self.old_grid)
+        cuts = [by_old.get(i, ([], [])) for by_old, i in zip(self._cuts_by_old, local)]
+        return [c[0] for c in cuts], [c[1] for c in cuts]
+
+    def flat_outputs(self, indices: list[list[int]]) -> np.ndarray:
+        """Flat output indices of every combination of one new chunk index per axis, in C order.
+
+        >>> p = Partial((0,), (0,), (0,), ((4,),), ((2, 2),))
+        >>> p.flat_outputs([[0, 1]]).tolist()
+        [0, 1]
+        """
+        flat = np.zeros((), dtype=np.int64)
+        for axis, chosen in enumerate(indices):
+            stride = math.prod(self.new_grid[axis + 1 :])
+            flat = np.add.outer(flat, np.asarray(chosen, dtype=np.int64) * stride)
+        return flat.ravel()
+
     def shards_of_output(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
         """Pieces of output chunk ``flat``: yield (flat input index, slices of the output chunk)."""
         local = _unravel(flat, self.new_grid)

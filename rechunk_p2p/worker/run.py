@@ -8,6 +8,7 @@ Where it runs: ``add_input_blocking`` and ``get_output_blocking`` in task thread
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -16,7 +17,13 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import Shard, ShardStore
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
-from rechunk_p2p.buffers.wire import Packed, pack_blocking, unpack_blocking
+from rechunk_p2p.buffers.wire import (
+    Packed,
+    cut_regular_blocking,
+    pack_blocking,
+    pack_blocks,
+    unpack_blocking,
+)
 from rechunk_p2p.errors import RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
 from rechunk_p2p.spec import RunSpec, widen
@@ -152,23 +159,68 @@ class WorkerRun:
             self._inputs += 1
 
     def _cut_blocking(self, flat: int, data: np.ndarray) -> tuple[list[Shard], dict[str, Packed]]:
-        spec = self.run_spec
+        """The shards of input ``flat`` that stay here, and one batch per other worker.
+
+        Regular cuts (pieces of one length along each axis, the usual case) are done for the
+        whole chunk at once: one strided copy lays every shard out contiguously, grouped by
+        destination, and each batch's payload is a view of that copy. Other cuts are copied
+        shard by shard.
+        """
+        run_spec, spec = self.run_spec, self.run_spec.spec
+        indices, slices = spec.partial.input_cuts(flat)
+        slices = [[slice(None)] if a in spec.unknown_axes else s for a, s in enumerate(slices)]
+        outputs = spec.partial.flat_outputs(indices)
+        built = np.ones(len(outputs), bool) if spec.keep is None else (
+            np.isin(outputs, spec.outputs_array)
+        )
+        positions = np.full(len(outputs), -1, dtype=np.int64)
+        positions[built] = run_spec.worker_positions(outputs[built])
+        me = run_spec.workers.index(self.worker_address)
+        blocks = cut_regular_blocking(data, slices, spec.dtype)
+        if blocks is None:
+            return self._cut_each_blocking(flat, data, outputs, slices, positions, me)
+        local: list[Shard] = []
+        remote: dict[str, Packed] = {}
+        for position in np.unique(positions[built]).tolist():
+            chosen = np.flatnonzero(positions == position)
+            lo, hi = int(chosen[0]), int(chosen[-1]) + 1
+            part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
+            if position == me:
+                if self.storage == "memory" and len(chosen) < len(blocks):
+                    part = part.copy()  # the store keeps it: do not pin the whole copy
+                local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))
+            else:
+                packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
+                remote[run_spec.dataplanes[position]] = packed
+        return local, remote
+
+    def _cut_each_blocking(
+        self,
+        flat: int,
+        data: np.ndarray,
+        outputs: np.ndarray,
+        slices: list[list[slice]],
+        positions: np.ndarray,
+        me: int,
+    ) -> tuple[list[Shard], dict[str, Packed]]:
+        """:meth:`_cut_blocking` shard by shard (irregular cuts, object dtype)."""
+        run_spec = self.run_spec
         copy_local = self.storage == "memory"
         local: list[Shard] = []
         remote: defaultdict[str, list[Shard]] = defaultdict(list)
-        unknown = spec.spec.unknown_axes
-        for out, slices in spec.spec.partial.shards_of_input(flat):
-            if not spec.spec.builds(out):
-                continue
-            view = data[widen(slices, unknown)]
-            if spec.worker_for(out) == self.worker_address:
+        for out, position, piece in zip(
+            outputs.tolist(), positions.tolist(), itertools.product(*slices)
+        ):
+            if position < 0:
+                continue  # culled away
+            view = data[piece]
+            if position == me:
                 # the memory store keeps what it gets: copy, so the input chunk can be freed;
                 # the disk store copies views into its file itself
-                shard = np.array(view, order="C") if copy_local else view
-                local.append((out, flat, shard))
+                local.append((out, flat, np.array(view, order="C") if copy_local else view))
             else:
-                remote[spec.dataplane_for(out)].append((out, flat, view))
-        dtype = spec.spec.dtype
+                remote[run_spec.dataplanes[position]].append((out, flat, view))
+        dtype = run_spec.spec.dtype
         return local, {addr: pack_blocking(shards, dtype) for addr, shards in remote.items()}
 
     def get_output_blocking(self, flat: int) -> np.ndarray:
