@@ -175,7 +175,10 @@ class WorkerRun:
         )
         positions = np.full(len(outputs), -1, dtype=np.int64)
         positions[built] = run_spec.worker_positions(outputs[built])
-        me = run_spec.workers.index(self.worker_address)
+        # a worker that joined after the run started owns nothing and sends everything
+        me = run_spec.workers.index(self.worker_address) if (
+            self.worker_address in run_spec.workers
+        ) else -2
         blocks = cut_regular_blocking(data, slices, spec.dtype)
         if blocks is None:
             return self._cut_each_blocking(flat, data, outputs, slices, positions, me)

@@ -1,0 +1,147 @@
+"""Worker loss for real: a worker process killed (SIGKILL) in each phase of a rechunk.
+
+Where it runs: the pytest process, against a multi-process ``LocalCluster`` with nannies (a
+killed worker is restarted by its nanny). The data is made and checked on the workers (every
+element's value is a hash of its index, see :mod:`integration.workloads`), so a misplaced,
+missing or duplicated element fails the check.
+
+The default run kills once per phase; ``-m slow`` repeats every phase ten times.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import rechunk_p2p
+from integration.workloads import checked, expected_block
+from tests.conftest import assert_clean_sync
+from tests.engine_helpers import PLUGIN
+
+SHAPE = (1200, 1200)
+DTYPE = "float64"
+PHASES = ("transfer", "barrier", "unpack", "bystander")
+#: Bound on one rechunk with one kill: the run restarts at most a few times.
+TIMEOUT = 120
+
+
+def _slow_fill(shape, dtype, block_info=None):
+    time.sleep(0.02)  # stretch the transfer phase so that a kill lands inside it
+    return expected_block(shape, block_info[None]["array-location"], dtype)
+
+
+def _slow_check_input(block):
+    time.sleep(0.01)  # stretch the unpack phase the same way
+    return block
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(
+        n_workers=3,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=":0",
+        memory_limit="2GiB",
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as client:
+        client.wait_for_workers(3, timeout=60)
+        yield client
+        client.wait_for_workers(3, timeout=60)
+
+
+def _source(seed: int) -> da.Array:
+    chunks = da.core.normalize_chunks((20, SHAPE[1]), SHAPE)
+    return da.map_blocks(
+        _slow_fill, SHAPE, DTYPE, dtype=DTYPE, chunks=chunks, name=f"source-{seed}"
+    )
+
+
+def _scheduler_state(dask_scheduler) -> dict:
+    plugin = dask_scheduler.plugins.get(PLUGIN)
+    barriers = {
+        key: ts.state
+        for key, ts in dask_scheduler.tasks.items()
+        if isinstance(key, str) and key.startswith("rechunk_p2p-barrier-")
+    }
+    runs = []
+    for run in (plugin.active.values() if plugin else ()):
+        spec = run.run_spec
+        owners = {spec.worker_for(flat) for flat in spec.spec.outputs}
+        runs.append({"workers": list(spec.workers), "owners": sorted(owners)})
+    return {"barriers": barriers, "runs": runs}
+
+
+def _pids(client) -> dict[str, int]:
+    return client.run(os.getpid)
+
+
+def _wait_for_phase(client, phase: str, deadline: float) -> str:
+    """Wait until the rechunk is in ``phase``; the address of the worker to kill."""
+    while time.monotonic() < deadline:
+        state = client.run_on_scheduler(_scheduler_state)
+        runs, barriers = state["runs"], state["barriers"]
+        if runs:
+            run = runs[0]
+            owners = run["owners"]
+            bystanders = [w for w in run["workers"] if w not in owners]
+            barrier_states = set(barriers.values())
+            if phase == "transfer" and barrier_states <= {"waiting", "queued", "no-worker"}:
+                return owners[-1]
+            if phase == "bystander" and bystanders:
+                return bystanders[0]
+            if phase == "barrier" and "processing" in barrier_states:
+                return owners[0]
+            if phase == "unpack" and "memory" in barrier_states:
+                return owners[-1]
+        time.sleep(0.005)
+    raise AssertionError(f"the rechunk never reached phase {phase!r}")
+
+
+def _kill_during(client, phase: str, seed: int) -> None:
+    x = _source(seed)
+    # bystander: fewer output chunks than workers, so one worker owns none
+    target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
+    y = rechunk_p2p.rechunk(x, target)
+    if phase == "unpack":
+        y = y.map_blocks(_slow_check_input, meta=np.empty((0, 0), DTYPE))
+    ok = checked(y, _workload_like())
+    future = client.compute(ok)
+    deadline = time.monotonic() + TIMEOUT
+    victim = _wait_for_phase(client, phase, deadline)
+    os.kill(_pids(client)[victim], signal.SIGKILL)
+    assert bool(future.result(timeout=max(deadline - time.monotonic(), 1))) is True
+    del future
+
+
+def _workload_like():
+    from integration.workloads import Workload
+
+    return Workload("kill", "kill test", SHAPE, DTYPE, (20, SHAPE[1]), (SHAPE[0], 50))
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_worker_killed_once(client, phase):
+    _kill_during(client, phase, seed=0)
+    client.wait_for_workers(3, timeout=60)
+    assert_clean_sync(client, timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", PHASES)
+def test_worker_killed_ten_times(client, phase):
+    for seed in range(10):
+        _kill_during(client, phase, seed=seed + 1)
+        client.wait_for_workers(3, timeout=60)
+    assert_clean_sync(client, timeout=30)
