@@ -22,6 +22,9 @@ from rechunk_p2p.worker.plugin import METADATA_KEY, PLUGIN_NAME, RechunkWorkerPl
 
 logger = logging.getLogger(__name__)
 
+#: Stimulus of the transitions that re-run stale transfers (the run stays open through them)
+_STALE_STIMULUS = "rechunk-p2p-stale-"
+
 # States of a barrier task whose transfers may still need a run
 _BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})
 
@@ -59,6 +62,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Any = None
         self.active: dict[str, SchedulerRun] = {}
         self._run_ids = itertools.count(1)
+        self._stale_rounds = itertools.count()
         self._shifts = itertools.count()
         self.runs_created = 0
 
@@ -206,7 +210,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
         if barrier is None or barrier.state != "processing":
             return  # released or forgotten meanwhile: its own transitions handle it
-        stimulus_id = f"rechunk-p2p-stale-{shuffle_id}"
+        stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
         if run is None:
             self._restart(shuffle_id, stimulus_id)
             return
@@ -242,6 +246,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         """Forget a run once its barrier is released, erred or forgotten."""
         if finish not in ("released", "erred", "forgotten"):
             return
+        if finish == "released" and kwargs.get("stimulus_id", "").startswith(_STALE_STIMULUS):
+            return  # _rerun_stale released the barrier: the run goes on, with the reruns
         shuffle_id = id_from_key(key)
         if shuffle_id is not None and shuffle_id in self.active:
             self._close(shuffle_id, reason=f"barrier {finish}")
