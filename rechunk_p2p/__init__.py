@@ -14,6 +14,7 @@ from rechunk_p2p.api import cluster_statistics, plan, rechunk, register
 from rechunk_p2p.diagnostics import LoopLagReport, measure_event_loops
 from rechunk_p2p.errors import (
     ClusterError,
+    RechunkCommError,
     RechunkInputError,
     RechunkP2PError,
     RechunkRunError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterError",
     "LoopLagReport",
+    "RechunkCommError",
     "RechunkInputError",
     "RechunkP2PError",
     "RechunkPlan",

@@ -13,6 +13,8 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
+from rechunk_p2p.errors import RechunkInputError
+
 _FN = os.path.join(os.path.dirname(__file__), "rechunk-p2p.yaml")
 
 with open(_FN) as f:
@@ -47,3 +49,27 @@ def get_bytes(key: str) -> int:
 def get_seconds(key: str) -> float:
     """Return the setting ``rechunk-p2p.<key>`` as a number of seconds."""
     return float(parse_timedelta(get(key)))
+
+
+def port_range(key: str) -> range:
+    """A port setting: ``0`` (any free port), ``9000``, or ``"9000:9100"`` (first free one).
+
+    >>> port_range_of("9000:9002")
+    range(9000, 9003)
+    """
+    return port_range_of(get(key))
+
+
+def port_range_of(value: object) -> range:
+    """See :func:`port_range`."""
+    text = str(value).strip()
+    try:
+        lo, _, hi = text.partition(":")
+        start, stop = int(lo), int(hi or lo)
+    except ValueError:
+        raise RechunkInputError(
+            f"rechunk-p2p.dataplane.port is {value!r}; give a port, 0, or a range like 9000:9100"
+        ) from None
+    if not 0 <= start <= stop <= 65535:
+        raise RechunkInputError(f"rechunk-p2p.dataplane.port {value!r} is not a valid port range")
+    return range(start, stop + 1)

@@ -28,6 +28,10 @@ class RechunkRunError(RechunkP2PError, RuntimeError):
     """A rechunk run failed on the cluster (a worker left, a comm failed, it was cancelled)."""
 
 
+class RechunkCommError(RechunkRunError):
+    """Shards could not be delivered to another worker in time (unreachable or silent peer)."""
+
+
 class StaleRunError(RechunkRunError):
     """A message or task belongs to a run that has since been restarted or closed."""
 

@@ -16,7 +16,7 @@ from distributed.core import error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
-from rechunk_p2p.errors import ClusterError, RechunkRunError, StaleRunError
+from rechunk_p2p.errors import ClusterError, StaleRunError
 from rechunk_p2p.spec import RunSpec, ShuffleSpec, barrier_key, id_from_key
 from rechunk_p2p.worker.plugin import METADATA_KEY, PLUGIN_NAME, RechunkWorkerPlugin
 
@@ -193,15 +193,22 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         targets = [w for w in run.participants if w in self.scheduler.workers]
         results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
         for worker, result in results.items():
+            if isinstance(result, dict) and result.get("error") is not None:
+                if self.active.get(shuffle_id) is not run:
+                    return {"status": "OK", "restarted": True}  # restarted meanwhile
+                logger.warning("Rechunk %s (run %s) failed on %s", shuffle_id, current, worker)
+                return {"status": "OK", "error": result["error"]}  # pickled; passed on unopened
             if isinstance(result, Exception):
                 if self.active.get(shuffle_id) is not run:
                     return {"status": "OK", "restarted": True}  # restarted meanwhile
-                return error_message(
-                    RechunkRunError(
-                        f"Rechunk {shuffle_id} (run {current}) failed to flush its shards on "
-                        f"{worker}: {result!r}"
-                    )
+                logger.warning(
+                    "Rechunk %s (run %s) failed to flush its shards on %s: %r",
+                    shuffle_id,
+                    current,
+                    worker,
+                    result,
                 )
+                return error_message(result)  # the worker's error, with its own type
         return {"status": "OK", "run_id": current}
 
     def _rerun_stale(self, shuffle_id: str, run: SchedulerRun | None, stale: list[int]) -> None:

@@ -83,7 +83,7 @@ async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, 
     ):
         x = da.random.default_rng(3).random((40, 30), chunks=(4, 30))
         y = rechunk_p2p.rechunk(x, (40, 3))
-        with pytest.raises(OSError, match="network down"):
+        with pytest.raises(rechunk_p2p.RechunkCommError, match="network down"):
             await c.compute(y)
     del y
     await assert_clean(s, a, b)

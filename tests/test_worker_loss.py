@@ -56,9 +56,9 @@ def cluster():
 @pytest.fixture
 def client(cluster):
     with Client(cluster) as client:
-        client.wait_for_workers(3, timeout=60)
+        client.wait_for_workers(3, timeout=180)
         yield client
-        client.wait_for_workers(3, timeout=60)
+        client.wait_for_workers(3, timeout=180)
 
 
 def _source(seed: int) -> da.Array:
@@ -134,7 +134,7 @@ def _workload_like():
 @pytest.mark.parametrize("phase", PHASES)
 def test_worker_killed_once(client, phase):
     _kill_during(client, phase, seed=0)
-    client.wait_for_workers(3, timeout=60)
+    client.wait_for_workers(3, timeout=180)
     assert_clean_sync(client, timeout=30)
 
 
@@ -143,5 +143,5 @@ def test_worker_killed_once(client, phase):
 def test_worker_killed_ten_times(client, phase):
     for seed in range(10):
         _kill_during(client, phase, seed=seed + 1)
-        client.wait_for_workers(3, timeout=60)
+        client.wait_for_workers(3, timeout=180)
     assert_clean_sync(client, timeout=30)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
+from rechunk_p2p.errors import RechunkCommError
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +25,16 @@ SendFn = Callable[[str, list[Packed]], Awaitable[None]]
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """**Immutable.** How often and how patiently a failed send is tried again."""
+    """**Immutable.** How often and how patiently a failed send is tried again.
+
+    ``timeout`` bounds one batch's delivery, every attempt included: a peer that refuses,
+    drops or never answers fails the rechunk within it.
+    """
 
     count: int = 5
     delay_min: float = 0.1
     delay_max: float = 5.0
+    timeout: float = 30.0
 
     def delay(self, attempt: int) -> float:
         """Exponential backoff with jitter for the given (1-based) attempt."""
@@ -61,7 +67,9 @@ class CommBuffer:
     message_bytes
         Largest batch sent in one message (a single larger item is sent alone).
     retry
-        Retry policy for transient errors.
+        Retry policy for transient errors, and the deadline of a batch's delivery.
+    name
+        Names the run and the sending worker in errors.
     """
 
     def __init__(
@@ -71,7 +79,9 @@ class CommBuffer:
         concurrency: asyncio.Semaphore,
         message_bytes: int,
         retry: RetryPolicy,
+        name: str = "rechunk_p2p",
     ) -> None:
+        self._name = name
         self._send = send
         self._limiter = limiter
         self._concurrency = concurrency
@@ -150,18 +160,32 @@ class CommBuffer:
         await self._limiter.release(dropped)
 
     async def _send_with_retries(self, address: str, batch: list[Packed]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._retry.timeout
         attempt = 0
         while True:
             try:
-                return await self._send(address, batch)
+                remaining = max(deadline - loop.time(), 0.001)
+                return await asyncio.wait_for(self._send(address, batch), remaining)
+            except asyncio.TimeoutError:
+                raise self._undeliverable(address, "no answer") from None
             except OSError as e:
                 attempt += 1
-                if attempt > self._retry.count or self._closed:
-                    raise
-                self._retries += 1
                 delay = self._retry.delay(attempt)
+                if self._closed:
+                    raise
+                if attempt > self._retry.count or loop.time() + delay >= deadline:
+                    raise self._undeliverable(address, f"{type(e).__name__}: {e}") from e
+                self._retries += 1
                 logger.info("Send to %s failed (%s); retry %d in %.2fs", address, e, attempt, delay)
                 await asyncio.sleep(delay)
+
+    def _undeliverable(self, address: str, why: str) -> RechunkCommError:
+        return RechunkCommError(
+            f"{self._name}: cannot deliver shards to the data plane at {address} within "
+            f"{self._retry.timeout:g} s ({why}); is that worker reachable on its data-plane "
+            "port? (rechunk-p2p.comm.timeout, rechunk-p2p.dataplane.port)"
+        )
 
     async def flush(self) -> None:
         """Wait until everything queued was delivered; raise the first send error, if any."""

@@ -47,6 +47,8 @@ class DataPlane:
         Bytes queued for sending before transfer tasks are held back.
     concurrency
         Sends in flight at once.
+    ports
+        Ports to listen on, the first free one taken (default: any free port).
     """
 
     def __init__(
@@ -57,7 +59,9 @@ class DataPlane:
         *,
         buffer_bytes: int,
         concurrency: int,
+        ports: range | None = None,
     ) -> None:
+        self._ports = ports or range(0, 1)
         self._worker_address = worker_address
         self._security = security
         self._receive = receive
@@ -85,8 +89,19 @@ class DataPlane:
             scheme = "tcp"
         host = get_address_host(self._worker_address) if scheme != "inproc" else "127.0.0.1"
         listen_args = self._security.get_listen_args("worker")
-        self._listener = listen(f"{scheme}://{host}:0", self._handle_comm, **listen_args)
-        await self._listener.start()
+        error: OSError | None = None
+        for port in self._ports:
+            self._listener = listen(f"{scheme}://{host}:{port}", self._handle_comm, **listen_args)
+            try:
+                await self._listener.start()
+                break
+            except OSError as e:  # taken: try the next port of the range
+                error = e
+        else:
+            raise OSError(
+                f"The rechunk_p2p data plane of {self._worker_address} found no free port in "
+                f"{self._ports.start}-{self._ports.stop - 1} (rechunk-p2p.dataplane.port): {error}"
+            )
         self._pool = ConnectionPool(
             limit=512, connection_args=self._security.get_connection_args("worker")
         )

@@ -21,14 +21,14 @@ from typing import Any
 from dask.utils import parse_timedelta
 from distributed import Reschedule, WorkerPlugin
 from distributed.core import clean_exception
-from distributed.protocol.pickle import dumps
+from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
 from rechunk_p2p.buffers.base import make_store
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.wire import Packed
-from rechunk_p2p.errors import ClusterError, StaleRunError
+from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread
 from rechunk_p2p.spec import RunSpec
 from rechunk_p2p.worker.dataplane import DataPlane
@@ -90,6 +90,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             self.receive,
             buffer_bytes=config.get_bytes("comm.buffer-bytes-limit"),
             concurrency=config.get("comm.concurrency"),
+            ports=config.port_range("dataplane.port"),
         )
         address = await asyncio.to_thread(self.dataplane.start_blocking)
         worker.handlers["rechunk_p2p_inputs_done"] = self._inputs_done
@@ -183,7 +184,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 config.get("comm.retry-count"),
                 config.get_seconds("comm.retry-delay-min"),
                 config.get_seconds("comm.retry-delay-max"),
+                config.get_seconds("comm.timeout"),
             ),
+            name=f"Rechunk {shuffle_id} (run {run_id}) on {self.worker.address}",
         )
         run = WorkerRun(
             run_spec, self.worker.address, store, storage, dataplane, self.offload, comm
@@ -234,8 +237,19 @@ class RechunkWorkerPlugin(WorkerPlugin):
             )
         await run.receive(batch)
 
-    async def _inputs_done(self, shuffle_id: str, run_id: int) -> None:
-        """The barrier: every input was cut; flush this worker's sends."""
+    async def _inputs_done(self, shuffle_id: str, run_id: int) -> dict:
+        """The barrier: every input was cut; flush this worker's sends.
+
+        A failure to deliver is replied as the pickled error (the scheduler passes it on to
+        the barrier task unopened, so it reaches the user with its own type).
+        """
+        try:
+            await self._flush(shuffle_id, run_id)
+        except RechunkP2PError as e:
+            return {"status": "OK", "error": dumps(e)}
+        return {"status": "OK"}
+
+    async def _flush(self, shuffle_id: str, run_id: int) -> None:
         with self._lock:
             run = self.runs.get(shuffle_id)
         if run is None:
@@ -278,6 +292,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         response = from_thread(
             self.worker.loop.asyncio_loop, self._barrier, shuffle_id, list(run_ids)
         )
+        if response.get("error") is not None:
+            raise loads(response["error"])  # a worker failed to deliver its shards
         if response.get("restarted"):
             raise Reschedule()
         return response["run_id"]

@@ -11,6 +11,7 @@ from distributed.utils_test import gen_test
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed, pack_blocking
+from rechunk_p2p.errors import RechunkCommError
 
 NO_RETRY_DELAY = RetryPolicy(count=3, delay_min=0.001, delay_max=0.002)
 
@@ -135,11 +136,34 @@ async def test_too_many_errors_fail_flush_and_later_puts():
     send = Recorder(fail_times=100)
     comm, limiter = make(send)
     await put_all(comm, {"a": [shard(0, i) for i in range(5)]})
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(RechunkCommError, match="injected") as info:
         await comm.flush()
-    with pytest.raises(OSError, match="injected"):
+    assert isinstance(info.value.__cause__, OSError)  # the original error, kept as the cause
+    with pytest.raises(RechunkCommError, match="injected"):
         await put_all(comm, {"a": [shard(0, 9)]})
     assert limiter.used == 0
+
+
+@gen_test()
+async def test_a_silent_peer_fails_within_the_deadline():
+    """A send that never returns: the batch fails once its deadline passes, not later."""
+
+    async def never(address, batch):
+        await asyncio.sleep(3600)
+
+    comm = CommBuffer(
+        never,
+        ByteLimiter(1 << 20),
+        asyncio.Semaphore(2),
+        message_bytes=1 << 20,
+        retry=RetryPolicy(count=3, delay_min=0.01, delay_max=0.02, timeout=0.3),
+        name="Rechunk r (run 1) on w",
+    )
+    await comm.put({"a": shard(0, 0)})
+    start = asyncio.get_running_loop().time()
+    with pytest.raises(RechunkCommError, match="data plane at a within 0.3 s"):
+        await comm.flush()
+    assert asyncio.get_running_loop().time() - start < 2
 
 
 @gen_test()

@@ -1,0 +1,82 @@
+"""The data plane under faults: a configured port range, unreachable or silent peers, TLS.
+
+Where it runs: in-process clusters (gen_cluster). A peer is made unreachable by replacing its
+advertised data-plane address on the scheduler (the fault injection) with a closed port or with
+a socket that accepts connections and never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed.security import Security
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from rechunk_p2p.worker.plugin import METADATA_KEY
+from tests.conftest import assert_clean
+from tests.engine_helpers import TWO, check_result
+
+FAST_FAIL = {"rechunk-p2p.comm.timeout": "2s", "rechunk-p2p.comm.retry-delay-max": "200ms"}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"rechunk-p2p.dataplane.port": "47100:47140"})
+async def test_dataplane_listens_in_the_configured_range(c, s, a, b):
+    await rechunk_p2p.register(c)
+    addresses = s.get_metadata([METADATA_KEY])
+    ports = sorted(int(addr.rsplit(":", 1)[1]) for addr in addresses.values())
+    assert len(ports) == 2 and all(47100 <= p <= 47140 for p in ports)
+    arr = np.arange(400).reshape(20, 20)
+    check_result(await c.compute(rechunk_p2p.rechunk(da.from_array(arr, (1, 20)), (20, 1))), arr)
+    await assert_clean(s, a, b)
+
+
+async def _fails_fast(c, s, a, b, bad_address: str) -> None:
+    await rechunk_p2p.register(c)
+    s.set_metadata(keys=[METADATA_KEY, b.address], value=bad_address)
+    arr = np.arange(40 * 40).reshape(40, 40)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 40)), (40, 1))
+    start = time.monotonic()
+    with pytest.raises(rechunk_p2p.RechunkCommError, match=bad_address.split("//")[1]) as info:
+        await c.compute(y)
+    assert time.monotonic() - start < 20  # 2 s deadline per batch, plus scheduling
+    assert a.address in str(info.value)  # names the sending worker too
+    assert isinstance(info.value, rechunk_p2p.RechunkP2PError)
+    del y
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, config=FAST_FAIL)
+async def test_refused_peer_fails_within_the_deadline(c, s, a, b):
+    await _fails_fast(c, s, a, b, f"tcp://127.0.0.1:{_closed_port()}")
+
+
+@gen_cluster(client=True, nthreads=TWO, config=FAST_FAIL)
+async def test_silent_peer_fails_within_the_deadline(c, s, a, b):
+    with socket.socket() as silent:  # accepts connections (backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        await _fails_fast(c, s, a, b, f"tcp://127.0.0.1:{silent.getsockname()[1]}")
+        await asyncio.sleep(0)
+
+
+@gen_cluster(client=True, nthreads=TWO, security=Security.temporary())
+async def test_tls_cluster(c, s, a, b):
+    """The data plane uses the workers' TLS settings."""
+    await rechunk_p2p.register(c)
+    addresses = s.get_metadata([METADATA_KEY])
+    assert all(addr.startswith("tls://") for addr in addresses.values())
+    arr = np.arange(30 * 30).reshape(30, 30)
+    check_result(await c.compute(rechunk_p2p.rechunk(da.from_array(arr, (1, 30)), (30, 1))), arr)
+    await assert_clean(s, a, b)
