@@ -43,13 +43,19 @@ from integration.workloads import (
     Workload,
     many_small,
     rows_to_columns,
+    rows_to_columns_8mib,
     size_from_env,
     time_to_space,
     workload_graph,
 )
 from rechunk_p2p.diagnostics import measure_event_loops
 
-_MAKERS = {"2d": rows_to_columns, "3d": time_to_space, "many": many_small}
+_MAKERS = {
+    "2d": rows_to_columns,
+    "3d": time_to_space,
+    "many": many_small,
+    "2d128": rows_to_columns_8mib,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

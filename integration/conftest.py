@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import dask
 import pytest
 from distributed import Client, LocalCluster
 
@@ -48,9 +47,8 @@ def local_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def client(local_directory: Path) -> Iterator[Client]:
-    """2 worker processes with 1 thread each; rechunk_p2p buffers on disk."""
+    """2 worker processes with 1 thread each; every setting at its default."""
     with (
-        dask.config.set({"rechunk-p2p.storage": "disk"}),
         LocalCluster(
             n_workers=N_WORKERS,
             threads_per_worker=THREADS_PER_WORKER,

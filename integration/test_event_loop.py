@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-import dask
 import pytest
 from distributed import Client
 
@@ -52,11 +51,7 @@ def _workers_hold_nothing(client: Client) -> dict[str, int]:
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_loop_stays_responsive(client: Client, name: str) -> None:
     w: Workload = WORKLOADS[name]
-    # The many-chunk workload is meant to push tens of thousands of chunks through the
-    # shuffle itself; merging thin inputs (the default) would turn it into plain slicing.
-    no_merge = {"rechunk-p2p.merge.min-array-bytes": "1PiB"} if name == many_small(1).name else {}
-    with dask.config.set(no_merge):
-        _, ok = workload_graph("rechunk_p2p", w)
+    _, ok = workload_graph("rechunk_p2p", w)
     t0 = time.perf_counter()
     with measure_event_loops(client, capture_stacks="100ms") as probe:
         result = client.compute(ok).result(timeout=TIMEOUT_S)

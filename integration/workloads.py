@@ -85,7 +85,7 @@ class Workload:
 # -- sizes --------------------------------------------------------------------------------
 
 #: Default bytes per workload (about two minutes for the suite on two busy cores).
-DEFAULT_BYTES = {"2d": 512 * 2**20, "3d": 512 * 2**20, "many": 640 * 2**20}
+DEFAULT_BYTES = {"2d": 512 * 2**20, "3d": 512 * 2**20, "many": 640 * 2**20, "2d128": 512 * 2**20}
 
 
 def size_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:
@@ -110,6 +110,19 @@ def rows_to_columns(nbytes: int) -> Workload:
         "float64",
         (n // blocks, n),
         (n, n // blocks),
+    )
+
+
+def rows_to_columns_8mib(nbytes: int) -> Workload:
+    """(d) 2-D float64 of 128 row blocks -> 128 column blocks (8 MiB chunks at 1 GiB)."""
+    n = max(128, round(math.sqrt(nbytes / 8) / 128) * 128)
+    return Workload(
+        "2d-128-blocks",
+        "2-D float64, 128 row blocks -> 128 column blocks",
+        (n, n),
+        "float64",
+        (n // 128, n),
+        (n, n // 128),
     )
 
 
@@ -143,9 +156,14 @@ def many_small(nbytes: int) -> Workload:
 
 
 def all_workloads(sizes: dict[str, int] | None = None) -> list[Workload]:
-    """The three workloads at the sizes from the environment (or ``sizes``)."""
+    """The four workloads at the sizes from the environment (or ``sizes``)."""
     sizes = size_from_env() if sizes is None else sizes
-    return [rows_to_columns(sizes["2d"]), time_to_space(sizes["3d"]), many_small(sizes["many"])]
+    return [
+        rows_to_columns(sizes["2d"]),
+        time_to_space(sizes["3d"]),
+        many_small(sizes["many"]),
+        rows_to_columns_8mib(sizes["2d128"]),
+    ]
 
 
 # -- data made and checked on the workers -------------------------------------------------
