@@ -204,13 +204,16 @@ def normalize(
     if x.ndim > 0 and all(s == 0 for s in x.shape):
         return x.chunks
     chunks = _fill_unspecified(x, chunks)
+    _check_sizes(x, chunks)
     try:
         new = normalize_chunks(
             chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks
         )
     except (ValueError, TypeError) as e:
         raise _input_error(
-            f"Cannot rechunk array {x.name} of shape {x.shape} to {chunks!r}: {e}", e
+            f"Cannot rechunk array {x.name} of shape {x.shape} to {_short(chunks)}: "
+            f"{_cut(str(e), 600)}",
+            e,
         ) from e
     if len(new) != x.ndim:
         raise RechunkInputError(
@@ -240,6 +243,15 @@ _UNCHANGING = (  # dask's own message, word for word
     "Chunks must be unchanging along dimensions with missing values.\n\n"
     "A possible solution:\n  x.compute_chunk_sizes()"
 )
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters for a one-line error message."""
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
 def _has_nan(sizes: tuple[float, ...]) -> bool:
@@ -286,6 +298,21 @@ def _fill_unspecified(x: da.Array, chunks: Any) -> Any:
     if isinstance(chunks, (tuple, list)):
         return tuple(rc if lc is None else lc for lc, rc in zip(chunks, x.chunks))
     return chunks
+
+
+def _check_sizes(x: da.Array, chunks: Any) -> None:
+    """A chunk size (one number per axis) must be positive, -1 or ``"auto"`` (dask itself
+    fails on zero with a bare ZeroDivisionError, and on negatives with a puzzling message)."""
+    per_axis = chunks if isinstance(chunks, tuple) else (chunks,) * x.ndim
+    for axis, (size, length) in enumerate(zip(per_axis, x.shape)):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            continue
+        if size == -1 or size > 0 or (size == 0 and length == 0):
+            continue
+        raise RechunkInputError(
+            f"Chunk size {int(size)} along axis {axis} (length {length}) is not a positive "
+            "size, -1 (the whole axis) or 'auto'"
+        )
 
 
 def _input_error(message: str, cause: Exception) -> RechunkInputError | RechunkTypeError:

@@ -116,3 +116,22 @@ async def test_scheduler_refusing_plugins_is_a_cluster_error(c, s, a, b):
         await c.compute(y)
     assert PLUGIN not in s.plugins
     await assert_clean(s, a, b)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "axis", "size"),
+    [(0, 0, 0), (-5, 0, -5), ((5, 0), 1, 0), ({0: -3}, 0, -3), ((None, -2), 1, -2)],
+)
+def test_zero_or_negative_chunk_sizes_are_one_line_value_errors(chunks, axis, size):
+    x = da.ones((10, 10), chunks=5)
+    with pytest.raises(ValueError, match=rf"^Chunk size {size} along axis {axis} \(length 10\)"):
+        rechunk_p2p.rechunk(x, chunks)
+    with pytest.raises(ValueError, match="is not a positive size"):
+        rechunk_p2p.plan(x, chunks)
+
+
+def test_long_chunk_specs_are_cut_in_messages():
+    x = da.ones((10, 10), chunks=5)
+    with pytest.raises(ValueError) as info:
+        rechunk_p2p.rechunk(x, ((1,) * 3000, 5))
+    assert len(str(info.value)) < 900
