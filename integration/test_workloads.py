@@ -13,6 +13,7 @@ from integration.workloads import (
     expected_block,
     many_small,
     rows_to_columns,
+    rows_to_columns_8mib,
     size_from_env,
     source_array,
     time_to_space,
@@ -52,7 +53,10 @@ def test_workload_shapes() -> None:
     assert a.source_chunks[1] == a.shape[1] and a.target_chunks[0] == a.shape[0]
     b = time_to_space(DEFAULT_BYTES["3d"])
     assert b.source_chunks[0] == 1 and b.target_chunks[0] == b.shape[0]
-    assert [x.name for x in all_workloads()] == [a.name, b.name, w.name]
+    d = rows_to_columns_8mib(2**30)
+    assert d.n_source_chunks == d.n_target_chunks == 128
+    assert 7.5 * 2**20 < np.prod(d.source_chunks) * 8 < 8.5 * 2**20  # about 8 MiB at 1 GiB
+    assert [x.name for x in all_workloads()] == [a.name, b.name, w.name, d.name]
 
 
 def test_sizes_from_environment() -> None:

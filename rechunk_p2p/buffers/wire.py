@@ -126,10 +126,17 @@ def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
     if dtype.hasobject:
         arrays = pickle.loads(packed.payload.tobytes())
         return list(zip(packed.outputs, packed.inputs, arrays))
+    shapes = packed.shapes
+    if shapes and all(s == shapes[0] for s in shapes):  # a regular cut: one reshape
+        count = len(shapes) * int(np.prod(shapes[0], dtype=np.int64))
+        if count * dtype.itemsize != packed.nbytes:
+            raise ValueError(f"Packed payload has {packed.nbytes} bytes, its shards more")
+        arrays = packed.payload.view(dtype).reshape(len(shapes), *shapes[0])
+        return list(zip(packed.outputs, packed.inputs, arrays))
     shards: list[Shard] = []
     offset = 0
     itemsize = dtype.itemsize
-    for out, inp, shape in zip(packed.outputs, packed.inputs, packed.shapes):
+    for out, inp, shape in zip(packed.outputs, packed.inputs, shapes):
         count = int(np.prod(shape, dtype=np.int64))
         n = count * itemsize
         arr = packed.payload[offset : offset + n].view(dtype).reshape(shape)

@@ -206,19 +206,19 @@ class RechunkWorkerPlugin(WorkerPlugin):
         return "memory" if estimate <= budget else "disk"
 
     async def _close_run(self, run: WorkerRun) -> None:
+        """Forget ``run`` here and close it. Its figures move to the totals in the same step
+        as it leaves :attr:`runs`, so :meth:`totals` never misses a closing run."""
+        stats = run.statistics()
         with self._lock:
             if self.runs.get(run.id) is run:
                 del self.runs[run.id]
-        stats = run.statistics()
-        if not await run.close():
-            return
-        _tuning.release()
-        with self._lock:
-            totals = self._closed_totals
-            totals[0] += 1
-            totals[1] += stats.bytes_sent
-            totals[2] += stats.bytes_received
-            totals[3] += stats.bytes_spilled
+                totals = self._closed_totals
+                totals[0] += 1
+                totals[1] += stats.bytes_sent
+                totals[2] += stats.bytes_received
+                totals[3] += stats.bytes_spilled
+        if await run.close():
+            _tuning.release()
 
     # --- handlers -------------------------------------------------------------------------
 
