@@ -13,10 +13,12 @@ PLUGIN = "rechunk-p2p"
 
 
 def spill_files(local_directory: str) -> list[str]:
-    """Every file rechunk_p2p left under a worker's local directory."""
+    """Every file and directory rechunk_p2p left under a worker's local directory (its own
+    directory too, even empty)."""
     root = os.path.join(local_directory, "rechunk-p2p")
     found = []
     for dirpath, _, filenames in os.walk(root):
+        found.append(dirpath + os.sep)
         found.extend(os.path.join(dirpath, f) for f in filenames)
     return found
 

@@ -443,6 +443,10 @@ def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:100] or "shard-store"
 
 
+#: Name of the directory the worker plugin keeps its stores in, under the local directory.
+ENGINE_DIRECTORY = "rechunk-p2p"
+
+
 def _makedirs_tracked(path: str) -> list[str]:
     """Create ``path`` and its missing parents; return those this call created, top first."""
     missing = []
@@ -497,3 +501,8 @@ def _remove_blocking(fd: int | None, path: str | None, created_parents: list[str
             os.rmdir(directory)
         except OSError:
             break
+    if path is not None and os.path.basename(os.path.dirname(path)) == ENGINE_DIRECTORY:
+        # the engine's own directory under a worker's local directory: whichever store closes
+        # last removes it, also when another store had created it (concurrent rechunks)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))

@@ -26,6 +26,7 @@ from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
 from rechunk_p2p.buffers.base import make_store
+from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
@@ -163,7 +164,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
         storage = self._resolve_storage(run_spec)
-        directory = os.path.join(self.worker.local_directory, "rechunk-p2p")
+        directory = os.path.join(self.worker.local_directory, ENGINE_DIRECTORY)
         store = make_store(
             storage,
             dtype=run_spec.spec.dtype,
