@@ -26,8 +26,8 @@ from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
 from rechunk_p2p.buffers.base import make_store
-from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
+from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread

@@ -47,8 +47,8 @@ def test_map_to_time_series_merges_time_steps():
     x = da.ones((1536, 512, 512), chunks=(1, 512, 512), dtype="f4")
     plan = rechunk_p2p.plan(x, (1536, 32, 32), n_workers=2)
     assert plan.merged
-    assert plan.old_chunks[0] == (64,) * 24  # 64 steps x 4 KiB tiles = 256 KiB shards
-    assert plan.n_shards == 24 * 256
+    assert plan.old_chunks[0] == (16,) * 96  # 16 steps x 4 KiB tiles = 64 KiB shards
+    assert plan.n_shards == 96 * 256
     assert "merged" in repr(plan)
 
 
