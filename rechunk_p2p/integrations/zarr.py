@@ -10,6 +10,7 @@ the worker that assembled it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -144,7 +145,8 @@ def rechunk_zarr(
     storage : {"disk", "memory", "auto"}, optional
         Where workers buffer shards (``rechunk-p2p.storage``); by default the config.
     progress : bool
-        Show distributed's progress bar while the cluster works.
+        Show distributed's progress bar on stderr while the cluster works, when stderr is a
+        terminal.
 
     Returns
     -------
@@ -252,8 +254,11 @@ def _run(client: distributed.Client, stored: list[da.Array], *, progress: bool) 
     """Run the store tasks to the end on ``client``'s cluster; raise the first error."""
     futures = distributed.futures_of(client.persist(stored))
     try:
-        if progress:
-            distributed.progress(futures, notebook=False)
+        if progress and sys.stderr.isatty():
+            # distributed's text bar writes to stdout; animate it on the terminal's stderr,
+            # and not at all into a log or a pipe (it would write thousands of updates)
+            with contextlib.redirect_stdout(sys.stderr):
+                distributed.progress(futures, notebook=False)
         distributed.wait(futures)
         for future in futures:
             if future.status != "finished":

@@ -334,3 +334,14 @@ def test_target_inside_source_is_refused(tmp_path):
         with pytest.raises(RechunkInputError, match="overlaps the source"):
             rechunk_zarr(src, target, {"time": -1}, overwrite=True, progress=False)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == files_before
+
+
+def test_progress_stays_out_of_logs_and_pipes(p2p_client, tmp_path, capfd):
+    """Not on a terminal (pytest captures stdout and stderr), the progress bar writes nothing
+    (it used to write 1,200-1,400 carriage-return updates into logs)."""
+    src, tgt = tmp_path / "src.zarr", tmp_path / "tgt.zarr"
+    make_climate_group(src, 3)
+    rechunk_zarr(src, tgt, {"time": -1, "lat": 5}, progress=True)
+    out, err = capfd.readouterr()
+    assert "\r" not in out and "\r" not in err
+    assert "[#" not in out and "[#" not in err
