@@ -101,6 +101,18 @@ class ZarrRechunkReport:
         ]
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """The report as tables: the totals, then one row per array (Jupyter)."""
+        from rechunk_p2p.diagnostics.html import table_html
+
+        title, *summary = str(self).splitlines()
+        rows = [tuple(part.strip() for part in line.split(":", 1)) for line in summary]
+        arrays = [
+            (a.name, a.chunks, a.shards or "", "rechunked" if a.rechunked else "copied")
+            for a in self.arrays
+        ]
+        return table_html(title, rows, (("array", "chunks", "shards", "layout"), arrays))
+
 
 def rechunk_zarr(
     source: Any,

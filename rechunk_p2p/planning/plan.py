@@ -147,46 +147,61 @@ class RechunkPlan:
         """Estimated bytes each worker buffers (in memory or on disk) before unpacking."""
         return -(-self.bytes_shuffled // max(self.n_workers, 1))
 
-    def __repr__(self) -> str:
-        return "\n".join(
-            [
-                f"RechunkPlan<{self.shape} {self.dtype}, {format_bytes(self.nbytes)}>",
-                "  engine       rechunk_p2p (P2P shuffle)",
-                f"  chunks       {_chunk_summary(self.source_chunks or self.old_chunks)} -> "
+    @property
+    def title(self) -> str:
+        return f"RechunkPlan<{self.shape} {self.dtype}, {format_bytes(self.nbytes)}>"
+
+    def rows(self) -> list[tuple[str, str]]:
+        """``(label, text)`` for each line of the summary (the repr and the HTML table)."""
+        workers = f"{self.n_workers} worker{'s' * (self.n_workers != 1)}"
+        rows = [
+            ("engine", "rechunk_p2p (P2P shuffle)"),
+            (
+                "chunks",
+                f"{_chunk_summary(self.source_chunks or self.old_chunks)} -> "
                 f"{_chunk_summary(self.new_chunks)}",
-                *(
-                    [
-                        f"  merged       {_chunk_summary(self.source_chunks)} -> "
-                        f"{_chunk_summary(self.old_chunks)} by plain tasks before the shuffle"
-                    ]
-                    if self.merged and self.source_chunks is not None
-                    else []
-                ),
-                *(
-                    [
-                        f"  unknown      axes {list(self.unknown_axes)} have unknown chunk "
-                        "sizes (kept as they are; sizes count one element per chunk)"
-                    ]
-                    if self.unknown_axes
-                    else []
-                ),
-                f"  chunk count  {self.n_input_chunks} -> {self.n_output_chunks}"
-                f" ({self.n_shards} shards)",
-                f"  partials     {self.n_partials} ({self.n_shuffles} shuffled)",
-                f"  tasks        {self.n_tasks}",
-                f"  shuffled     {format_bytes(self.bytes_shuffled)};"
-                f" ~{format_bytes(self.bytes_moved)} cross workers"
-                f" (estimate for {self.n_workers} worker{'s' * (self.n_workers != 1)})",
-                f"  per worker   ~{format_bytes(self.per_worker_buffer_bytes)} buffered",
-                f"  largest      input chunk {format_bytes(self.largest_input_chunk_bytes)},"
-                f" output chunk {format_bytes(self.largest_output_chunk_bytes)}",
-            ]
-        )
+            ),
+        ]
+        if self.merged and self.source_chunks is not None:
+            merged = f"{_chunk_summary(self.source_chunks)} -> {_chunk_summary(self.old_chunks)}"
+            rows.append(("merged", f"{merged} by plain tasks before the shuffle"))
+        if self.unknown_axes:
+            rows.append(
+                (
+                    "unknown",
+                    f"axes {list(self.unknown_axes)} have unknown chunk sizes (kept as they "
+                    "are; sizes count one element per chunk)",
+                )
+            )
+        return [
+            *rows,
+            (
+                "chunk count",
+                f"{self.n_input_chunks} -> {self.n_output_chunks} ({self.n_shards} shards)",
+            ),
+            ("partials", f"{self.n_partials} ({self.n_shuffles} shuffled)"),
+            ("tasks", f"{self.n_tasks}"),
+            (
+                "shuffled",
+                f"{format_bytes(self.bytes_shuffled)}; ~{format_bytes(self.bytes_moved)} "
+                f"cross workers (estimate for {workers})",
+            ),
+            ("per worker", f"~{format_bytes(self.per_worker_buffer_bytes)} buffered"),
+            (
+                "largest",
+                f"input chunk {format_bytes(self.largest_input_chunk_bytes)}, "
+                f"output chunk {format_bytes(self.largest_output_chunk_bytes)}",
+            ),
+        ]
+
+    def __repr__(self) -> str:
+        return "\n".join([self.title, *(f"  {k:<12} {v}" for k, v in self.rows())])
 
     def _repr_html_(self) -> str:
-        from html import escape
+        """The plan as a table (Jupyter shows it in place of the repr)."""
+        from rechunk_p2p.diagnostics.html import table_html
 
-        return f"<pre>{escape(repr(self))}</pre>"
+        return table_html(self.title, self.rows())
 
 
 def _chunk_summary(chunks: Chunks) -> str:

@@ -345,3 +345,13 @@ def test_progress_stays_out_of_logs_and_pipes(p2p_client, tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "\r" not in out and "\r" not in err
     assert "[#" not in out and "[#" not in err
+
+
+def test_report_renders_as_html_tables(p2p_client, tmp_path):
+    src, tgt = tmp_path / "src.zarr", tmp_path / "tgt.zarr"
+    make_climate_group(src, 3)
+    report = rechunk_zarr(src, tgt, {"time": -1, "lat": 5}, progress=False)
+    html = report._repr_html_()
+    assert html.count("<table") == 2
+    assert all(f"<td>{a.name}</td>" in html for a in report.arrays)
+    assert "<th>array</th>" in html and "throughput" in html

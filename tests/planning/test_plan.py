@@ -92,7 +92,9 @@ def test_repr_mentions_the_key_figures(plan):
     assert format_bytes(plan.largest_input_chunk_bytes) in largest
     assert format_bytes(plan.largest_output_chunk_bytes) in largest
     html = plan._repr_html_()
-    assert html.startswith("<pre>") and f"{plan.n_input_chunks} -&gt; " in html
+    assert html.startswith('<div class="rechunk-p2p">') and "<table" in html
+    assert f"<td>{plan.n_input_chunks} -&gt; {plan.n_output_chunks} (" in html
+    assert html.count("<tr>") == len(plan.rows()) == len(repr(plan).splitlines()) - 1
 
 
 def test_repr_example():
