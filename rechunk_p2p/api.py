@@ -177,8 +177,21 @@ def plan(
     Returns
     -------
     RechunkPlan
-        Immutable; its repr is a readable summary.
+        Immutable; its repr is a readable summary (an HTML table in notebooks). For an
+        xarray object, a ``DatasetRechunkPlan``: one plan per variable that changes, and
+        totals.
     """
+    if _is_xarray(x):
+        from rechunk_p2p.integrations.xarray import plan_xarray
+
+        return plan_xarray(
+            x,
+            chunks,
+            threshold=threshold,
+            block_size_limit=block_size_limit,
+            balance=balance,
+            n_workers=n_workers,
+        )
     new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
     _require_numpy_chunks(x)
     if n_workers is None:

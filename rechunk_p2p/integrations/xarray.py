@@ -8,12 +8,14 @@ computed here. :func:`rechunk_p2p.api.rechunk` hands xarray objects to
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import xarray as xr
+from dask.utils import format_bytes
 
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
-from rechunk_p2p.integrations import rechunk_array
+from rechunk_p2p.integrations import plan_array, rechunk_array
 
 T_Xarray = TypeVar("T_Xarray", xr.Dataset, xr.DataArray)
 
@@ -89,6 +91,119 @@ def rechunk_xarray(
     return obj.assign_coords(coords).assign(data_vars)
 
 
+@dataclass(frozen=True)
+class DatasetRechunkPlan:
+    """**Immutable.** The plans of every variable an xarray rechunk changes, with totals.
+
+    ``plans`` maps each variable whose chunks change to its :class:`RechunkPlan`; variables
+    that keep their chunks are not listed.
+    """
+
+    plans: Mapping[Hashable, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.plans.values())
+
+    @property
+    def bytes_shuffled(self) -> int:
+        return sum(p.bytes_shuffled for p in self.plans.values())
+
+    @property
+    def n_tasks(self) -> int:
+        return sum(p.n_tasks for p in self.plans.values())
+
+    @property
+    def n_pieces(self) -> int:
+        """Pieces the shuffles cut (one input chunk's part of one output chunk)."""
+        return sum(p.n_shards for p in self.plans.values())
+
+    def rows(self) -> list[tuple[str, str]]:
+        total = (
+            f"{len(self.plans)} variable(s), {format_bytes(self.nbytes)}; "
+            f"{format_bytes(self.bytes_shuffled)} shuffled in {self.n_pieces} pieces; "
+            f"{self.n_tasks} tasks"
+        )
+        per_var = [
+            (str(name), f"{rows['chunks']}; {rows['shuffled'].split(';')[0]} shuffled")
+            for name, rows in ((n, dict(p.rows())) for n, p in self.plans.items())
+        ]
+        return [("total", total), *per_var]
+
+    def __repr__(self) -> str:
+        return "\n".join(["DatasetRechunkPlan", *(f"  {k:<12} {v}" for k, v in self.rows())])
+
+    def _repr_html_(self) -> str:
+        from rechunk_p2p.diagnostics.html import table_html
+
+        return table_html("DatasetRechunkPlan", self.rows())
+
+
+def plan_xarray(
+    obj: xr.Dataset | xr.DataArray,
+    chunks: Any = "auto",
+    *,
+    threshold: int | None = None,
+    block_size_limit: int | None = None,
+    balance: bool = False,
+    n_workers: int | None = None,
+) -> DatasetRechunkPlan:
+    """What :func:`rechunk_xarray` would do to ``obj``, variable by variable, with totals.
+
+    Parameters and errors as for :func:`rechunk_xarray`; ``n_workers`` as for
+    :func:`rechunk_p2p.plan`.
+    """
+    if not isinstance(obj, xr.Dataset | xr.DataArray):
+        raise RechunkTypeError(
+            f"plan_xarray needs an xarray Dataset or DataArray, got {type(obj).__name__}"
+        )
+    by_dim = chunks_by_dimension(obj, chunks)
+    variables = dict(obj.coords.variables)
+    if isinstance(obj, xr.DataArray):
+        variables[obj.name] = obj.variable
+    else:
+        variables.update(obj.data_vars.variables)
+    plans = {}
+    for name, var in variables.items():
+        own = {d: spec for d, spec in by_dim.items() if d in var.dims}
+        if var.ndim == 0 or name in obj.indexes or not own:
+            continue
+        data = var.chunk().data if var.chunks is None else var.data
+        axes = {var.dims.index(d): spec for d, spec in own.items()}
+        the_plan = _variable_plan(name, var.dims, data, axes, block_size_limit, balance, n_workers)
+        if the_plan.old_chunks != the_plan.new_chunks or the_plan.merged:
+            plans[name] = the_plan
+    return DatasetRechunkPlan(plans)
+
+
+def _variable_plan(
+    name: Hashable,
+    dims: tuple[Hashable, ...],
+    data: Any,
+    axes: dict[int, Any],
+    block_size_limit: int | None,
+    balance: bool,
+    n_workers: int | None,
+) -> Any:
+    from rechunk_p2p import api
+
+    try:
+        new = api.normalize(data, axes, block_size_limit=block_size_limit, balance=balance)
+        return plan_array(data, new, n_workers=n_workers)
+    except RechunkInputError as e:
+        raise _for_variable(e, name, dims) from None
+
+
+def _for_variable(error: RechunkInputError, name: Hashable, dims: tuple[Hashable, ...]) -> Any:
+    """``error`` reworded for a variable: its name, and dimension names instead of axes."""
+    import re
+
+    text = re.sub(
+        r"along axis (\d+)", lambda m: f"along dimension {dims[int(m.group(1))]!r}", str(error)
+    )
+    return RechunkInputError(f"variable {name!r}: {text}")
+
+
 def chunks_by_dimension(obj: xr.Dataset | xr.DataArray, chunks: Any) -> dict[Hashable, Any]:
     """Expand ``chunks`` into a spec per dimension name, checking every name.
 
@@ -152,7 +267,10 @@ def _rechunk_variable(
     if not own:
         return var
     axes = {var.dims.index(d): spec for d, spec in own.items()}
-    data = rechunk_array(var.data, axes, **kwargs)
+    try:
+        data = rechunk_array(var.data, axes, **kwargs)
+    except RechunkInputError as e:
+        raise _for_variable(e, name, var.dims) from None
     new = var.copy(deep=False, data=data)  # a copy even if unchanged: the encoding changes
     new.encoding = _layout_encoding(var.encoding, var.dims, data.chunks)
     return new

@@ -177,7 +177,7 @@ class RechunkPlan:
             *rows,
             (
                 "chunk count",
-                f"{self.n_input_chunks} -> {self.n_output_chunks} ({self.n_shards} shards)",
+                f"{self.n_input_chunks} -> {self.n_output_chunks} ({self.n_shards} pieces)",
             ),
             ("partials", f"{self.n_partials} ({self.n_shuffles} shuffled)"),
             ("tasks", f"{self.n_tasks}"),

@@ -159,3 +159,38 @@ def test_rechunk_xarray_then_to_zarr_writes_the_new_layout(p2p_client, tmp_path)
     assert out["orography"].encoding["chunks"] == (Y, 6)
     xr.testing.assert_identical(out.compute(), opened.compute())
     assert_clean_sync(p2p_client)
+
+
+def test_plan_of_a_dataset_has_a_plan_per_variable_and_totals():
+    import rechunk_p2p
+
+    ds = xr.Dataset(
+        {
+            "t": (("time", "lat", "lon"), np.zeros((40, 6, 8), "f4")),
+            "p": (("time", "lat"), np.zeros((40, 6))),
+            "mask": (("lat", "lon"), np.ones((6, 8), bool)),
+        },
+        coords={"time": np.arange(40), "lat": np.arange(6.0), "lon": np.arange(8.0)},
+    ).chunk({"time": 1})
+    plan = rechunk_p2p.plan(ds, {"time": -1, "lat": 3})
+    assert set(plan.plans) == {"t", "p", "mask"}  # mask: lat 6 -> 3
+    assert plan.nbytes == sum(p.nbytes for p in plan.plans.values())
+    assert plan.plans["t"].new_chunks == ((40,), (3, 3), (8,))
+    assert "total" in repr(plan) and "pieces" in repr(plan)
+    assert plan._repr_html_().count("<tr>") == 4
+    same = rechunk_p2p.plan(ds, {"lon": 8})
+    assert not same.plans  # nothing changes
+
+
+@pytest.mark.parametrize("chunks", [{"time": 0}, {"lat": -4}])
+def test_dataset_errors_name_the_variable_and_dimension(chunks):
+    import rechunk_p2p
+
+    ds = xr.Dataset({"t": (("time", "lat"), np.zeros((10, 6)))}).chunk({"time": 1})
+    (dim, size), = chunks.items()
+    for entry in (rechunk_p2p.plan, rechunk_p2p.rechunk):
+        with pytest.raises(ValueError) as info:
+            entry(ds, chunks)
+        message = str(info.value)
+        assert f"variable 't': Chunk size {size} along dimension {dim!r}" in message
+        assert "\n" not in message and len(message) < 200

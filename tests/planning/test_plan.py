@@ -101,7 +101,7 @@ def test_repr_example():
     plan = RechunkPlan((100, 60), np.dtype("f8"), ((10,) * 10, (60,)), ((100,), (6,) * 10), 4)
     text = repr(plan)
     assert "(100, 60) float64" in text
-    assert "10 -> 10 (100 shards)" in text
+    assert "10 -> 10 (100 pieces)" in text
     assert "partials     1 (1 shuffled)" in text
     assert "tasks        21" in text  # 10 transfers, 1 barrier, 10 unpacks
 
