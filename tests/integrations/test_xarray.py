@@ -162,7 +162,6 @@ def test_rechunk_xarray_then_to_zarr_writes_the_new_layout(p2p_client, tmp_path)
 
 
 def test_plan_of_a_dataset_has_a_plan_per_variable_and_totals():
-    import rechunk_p2p
 
     ds = xr.Dataset(
         {
@@ -184,10 +183,9 @@ def test_plan_of_a_dataset_has_a_plan_per_variable_and_totals():
 
 @pytest.mark.parametrize("chunks", [{"time": 0}, {"lat": -4}])
 def test_dataset_errors_name_the_variable_and_dimension(chunks):
-    import rechunk_p2p
 
     ds = xr.Dataset({"t": (("time", "lat"), np.zeros((10, 6)))}).chunk({"time": 1})
-    (dim, size), = chunks.items()
+    ((dim, size),) = chunks.items()
     for entry in (rechunk_p2p.plan, rechunk_p2p.rechunk):
         with pytest.raises(ValueError) as info:
             entry(ds, chunks)
