@@ -284,7 +284,8 @@ def _create_target(job: ZarrRechunkJob) -> list[zarr.Array]:
     root, layouts, location = job.root, job.layouts, job.dest.location
     fmt, options = job.zarr_format, job.array_options
     if isinstance(root, zarr.Array):
-        return [zarr.create_array(location, **_array_kwargs(layouts[0], fmt, options))]
+        kwargs = _array_kwargs(layouts[0], fmt, options)
+        return [zarr.create_array(location, zarr_format=fmt, **kwargs)]  # a group sets it
     group = zarr.open_group(location, mode="w-", zarr_format=fmt, attributes=dict(root.attrs))
     subgroups = sorted(
         name for name, node in root.members(max_depth=None) if isinstance(node, zarr.Group)

@@ -355,3 +355,25 @@ def test_report_renders_as_html_tables(p2p_client, tmp_path):
     assert html.count("<table") == 2
     assert all(f"<td>{a.name}</td>" in html for a in report.arrays)
     assert "<th>array</th>" in html and "throughput" in html
+
+
+def test_bare_format2_array_with_a_numcodecs_compressor(p2p_client, tmp_path):
+    """A bare zarr format-2 array (no group) keeps its format and its numcodecs compressor
+    (the target used to be created as format 3, which refused the compressor)."""
+    import numcodecs
+
+    src = zarr.create_array(
+        tmp_path / "a.zarr",
+        shape=(40, 30),
+        chunks=(1, 30),
+        dtype="f4",
+        zarr_format=2,
+        compressors=numcodecs.Zstd(level=3),
+    )
+    src[:] = np.arange(1200, dtype="f4").reshape(40, 30)
+    rechunk_zarr(tmp_path / "a.zarr", tmp_path / "b.zarr", (40, 5), progress=False)
+    out = zarr.open_array(tmp_path / "b.zarr")
+    assert out.metadata.zarr_format == 2
+    assert out.chunks == (40, 5)
+    assert isinstance(out.compressors[0], numcodecs.Zstd)
+    np.testing.assert_array_equal(out[:], src[:])
