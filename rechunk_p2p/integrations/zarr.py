@@ -10,6 +10,7 @@ the worker that assembled it.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import warnings
@@ -23,6 +24,7 @@ import distributed
 import zarr
 from dask.utils import format_bytes, format_time
 
+from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.integrations import cluster_statistics, plan_array, rechunk_array
 from rechunk_p2p.integrations.zarr_input import (
     ArrayLayout,
@@ -125,6 +127,7 @@ def rechunk_zarr(
     overwrite: bool = False,
     storage: str | None = None,
     progress: bool = True,
+    client: distributed.Client | str | None = None,
 ) -> ZarrRechunkReport:
     """Copy a zarr array or group to ``target`` with new chunks, rechunking peer to peer.
 
@@ -159,6 +162,11 @@ def rechunk_zarr(
     progress : bool
         Show distributed's progress bar on stderr while the cluster works, when stderr is a
         terminal.
+    client : distributed.Client or str, optional
+        The cluster to run on: a client, or a scheduler's address (``"tcp://host:8786"``).
+        Default: the current client, else a LocalCluster for the call (called from a
+        script, that needs the script's ``if __name__ == "__main__":`` guard, which is
+        checked first).
 
     Returns
     -------
@@ -173,12 +181,12 @@ def rechunk_zarr(
 
     Notes
     -----
-    Runs on the cluster of the current client (:func:`distributed.get_client`); with no
-    client, on a :class:`distributed.LocalCluster` sized to the machine that lives for
-    the call. Each output chunk of the rechunk is one target chunk (or shard), written
-    by one task without locks. Attributes, dimension names, fill values, codecs, the
-    group hierarchy and consolidated metadata are kept. If the call fails, the target
-    it created is removed.
+    Runs on the cluster of ``client``, else of the current client
+    (:func:`distributed.get_client`); with neither, on a :class:`distributed.LocalCluster`
+    sized to the machine that lives for the call. Each output chunk of the rechunk is one
+    target chunk (or shard), written by one task without locks. Attributes, dimension
+    names, fill values, codecs, the group hierarchy and consolidated metadata are kept. If
+    the call fails, the target it created is removed.
     """
     job = check_zarr_rechunk(
         source,
@@ -190,7 +198,7 @@ def rechunk_zarr(
         overwrite=overwrite,
         storage=storage,
     )
-    with _client() as client:
+    with _client(client) as client:
         before = cluster_statistics(client)
         start = time.perf_counter()
         try:
@@ -348,8 +356,20 @@ def _describe(root: zarr.Array | zarr.Group) -> str:
 
 
 @contextlib.contextmanager
-def _client() -> Iterator[distributed.Client]:
-    """The current client, or a LocalCluster sized to the machine for the block."""
+def _client(given: distributed.Client | str | None = None) -> Iterator[distributed.Client]:
+    """``given`` (a client, or a scheduler's address to connect to), else the current client,
+    else a LocalCluster sized to the machine for the block."""
+    if isinstance(given, distributed.Client):
+        yield given
+        return
+    if isinstance(given, str):
+        try:
+            connected = distributed.Client(given, timeout="10s")
+        except (OSError, TimeoutError) as e:
+            raise ClusterError(f"Cannot reach the scheduler at {given}: {e}") from None
+        with connected:
+            yield connected
+        return
     try:
         client = distributed.get_client()
     except ValueError:
@@ -357,8 +377,51 @@ def _client() -> Iterator[distributed.Client]:
     if client is not None:
         yield client
         return
+    _require_main_guard()
     with (
         distributed.LocalCluster(dashboard_address=":0") as cluster,
         distributed.Client(cluster) as client,
     ):
         yield client
+
+
+def _require_main_guard() -> None:
+    """Refuse to start worker processes from a script's unguarded top level.
+
+    The worker processes of a LocalCluster re-run the main script from the top; a call at
+    its top level would start clusters without end (hundreds of lines of errors). The call
+    is found in the stack and the script's source tells whether it sits under
+    ``if __name__ == "__main__":``.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+    ):
+        frame = frame.f_back
+    if frame is None or path is None or frame.f_code.co_filename != path:
+        return
+    if not _is_guarded(path, frame.f_lineno):
+        raise ClusterError(
+            f"{os.path.basename(path)} line {frame.f_lineno}: rechunk_zarr starts a local "
+            "cluster whose worker processes re-run this script from the top; put the call "
+            "under `if __name__ == \"__main__\":`, or pass client= (a Client or an address)"
+        )
+
+
+def _is_guarded(path: str, line: int) -> bool:
+    """Whether ``line`` of the script at ``path`` is inside ``if __name__ == "__main__":``."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: let it run
+    return any(
+        isinstance(node, ast.If)
+        and "__main__" in ast.unparse(node.test)
+        and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
+        for node in ast.walk(tree)
+    )

@@ -31,3 +31,51 @@ def test_without_client_runs_on_its_own_local_cluster(tmp_path):
     assert report.statistics["runs"] >= 1
     with pytest.raises(ValueError):
         distributed.get_client()  # the cluster was closed with its client
+
+
+_SCRIPT = """
+import numpy as np
+import zarr
+from rechunk_p2p import rechunk_zarr
+
+a = zarr.create_array("src.zarr", shape=(20, 10), chunks=(1, 10), dtype="f4")
+a[:] = np.arange(200, dtype="f4").reshape(20, 10)
+{call}
+"""
+
+
+def test_script_without_main_guard_gets_one_clear_error(tmp_path):
+    """At a script's top level, with no client, rechunk_zarr says what to do (its worker
+    processes would re-run the script), before anything is written."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text(_SCRIPT.format(call='rechunk_zarr("src.zarr", "dst.zarr", (20, 2))'))
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "noguard.py line 8" in last and 'if __name__ == "__main__":' in last
+    assert len(proc.stderr.splitlines()) < 20 and "Nanny" not in proc.stderr
+    assert not (tmp_path / "dst.zarr").exists()
+
+
+def test_client_given_by_address_and_unreachable_scheduler(tmp_path):
+    import numpy as np
+    import zarr
+    from distributed import LocalCluster
+
+    from rechunk_p2p import ClusterError, rechunk_zarr
+
+    src = zarr.create_array(tmp_path / "s.zarr", shape=(20, 10), chunks=(1, 10), dtype="f4")
+    src[:] = np.arange(200, dtype="f4").reshape(20, 10)
+    with pytest.raises(ClusterError, match=r"Cannot reach the scheduler at tcp://127\.0\.0\.1:9"):
+        rechunk_zarr(tmp_path / "s.zarr", tmp_path / "x.zarr", (20, 2), client="tcp://127.0.0.1:9")
+    assert not (tmp_path / "x.zarr").exists()
+    with LocalCluster(n_workers=2, processes=False, dashboard_address=":0") as cluster:
+        rechunk_zarr(
+            tmp_path / "s.zarr", tmp_path / "d.zarr", (20, 2), client=cluster.scheduler_address
+        )
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "d.zarr")[:], src[:])
