@@ -189,6 +189,12 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         "365,90,180 for an array, or one value for every axis",
     )
     p.add_argument("--shards", help="shard shape of the target (zarr format 3), like --chunks")
+    p.add_argument(
+        "--include-coords",
+        action="store_true",
+        help="rechunk dimension coordinates (1-D arrays named after their dimension) too; "
+        "by default they keep their layout",
+    )
 
 
 def _add_cluster(p: argparse.ArgumentParser, *, scheduler: bool) -> None:
@@ -244,6 +250,7 @@ def run_command(args: argparse.Namespace) -> int:
         "zarr_format": args.zarr_format,
         "overwrite": args.overwrite,
         "storage": args.storage,
+        "coordinates": args.include_coords,
     }
     check_zarr_rechunk(args.source, args.target, args.chunks, **options)  # before any cluster
     with cluster(args) as client, _probe(client) as probe:
@@ -262,7 +269,13 @@ def plan_command(args: argparse.Namespace) -> int:
     from rechunk_p2p.integrations.zarr import open_source, plan_zarr
 
     n_workers = args.workers or nprocesses_nthreads()[0]
-    plans = plan_zarr(args.source, args.chunks, shards=args.shards, n_workers=n_workers)
+    plans = plan_zarr(
+        args.source,
+        args.chunks,
+        shards=args.shards,
+        n_workers=n_workers,
+        coordinates=args.include_coords,
+    )
     root = open_source(args.source)
     print(f"{args.source}: zarr format {root.metadata.zarr_format}, {len(plans)} array(s)")
     for name, (layout, plan) in plans.items():

@@ -144,7 +144,13 @@ def test_plan_command_runs_nothing(tmp_path):
     assert f"chunks (1, {Y}, {X}) -> ({T}, 5, {X})" in out
     assert "estimate for 4 workers" in out
     assert "lon (lon) float64" in out and "copied as it is" in out
+    assert f"lat (lat) float64 {Y * 8} B: copied as it is (chunks ({Y},))" in out
     assert sorted(os.listdir(tmp_path)) == ["src.zarr"]
+    included = run_cli(
+        "plan", "src.zarr", "--chunks", "time=-1,lat=5", "--include-coords", cwd=tmp_path
+    )
+    assert included.returncode == 0, included.stderr
+    assert f"lat (lat) float64 {Y * 8} B: chunks ({Y},) -> (5,)" in included.stdout
 
 
 @pytest.mark.parametrize(

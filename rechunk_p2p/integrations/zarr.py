@@ -128,6 +128,7 @@ def rechunk_zarr(
     storage: str | None = None,
     progress: bool = True,
     client: distributed.Client | str | None = None,
+    coordinates: bool = False,
 ) -> ZarrRechunkReport:
     """Copy a zarr array or group to ``target`` with new chunks, rechunking peer to peer.
 
@@ -162,6 +163,11 @@ def rechunk_zarr(
     progress : bool
         Show distributed's progress bar on stderr while the cluster works, when stderr is a
         terminal.
+    coordinates : bool
+        Whether dimension coordinates (1-D arrays named after their dimension, such as
+        ``lat``) follow chunks given by dimension name. By default they keep their own
+        layout, as xarray keeps index coordinates; an array named in ``chunks`` is always
+        rechunked.
     client : distributed.Client or str, optional
         The cluster to run on: a client, or a scheduler's address (``"tcp://host:8786"``).
         Default: the current client, else a LocalCluster for the call (called from a
@@ -197,6 +203,7 @@ def rechunk_zarr(
         array_options=array_options,
         overwrite=overwrite,
         storage=storage,
+        coordinates=coordinates,
     )
     with _client(client) as client:
         before = cluster_statistics(client)
@@ -223,7 +230,12 @@ def rechunk_zarr(
 
 
 def plan_zarr(
-    source: Any, chunks: Any, *, shards: Any = None, n_workers: int | None = None
+    source: Any,
+    chunks: Any,
+    *,
+    shards: Any = None,
+    n_workers: int | None = None,
+    coordinates: bool = False,
 ) -> dict[str, tuple[ArrayLayout, Any]]:
     """Plan :func:`rechunk_zarr` without running it.
 
@@ -233,7 +245,7 @@ def plan_zarr(
         Array name (``""`` for a bare array) -> ``(layout, plan)``, where ``plan`` is the
         engine's :class:`RechunkPlan`, or ``None`` for an array copied in its own layout.
     """
-    layouts = resolve_layouts(open_source(source), chunks, shards=shards)
+    layouts = resolve_layouts(open_source(source), chunks, shards=shards, coordinates=coordinates)
     return {
         lay.name: (lay, plan_array(_read(lay), lay.write_chunks, n_workers=n_workers))
         if lay.rechunked

@@ -62,6 +62,7 @@ def check_zarr_rechunk(
     array_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     storage: str | None = None,
+    coordinates: bool = False,
 ) -> ZarrRechunkJob:
     """Check the arguments of :func:`rechunk_zarr` (same meaning) without writing anything.
 
@@ -69,7 +70,7 @@ def check_zarr_rechunk(
     bad input; returns the checked job.
     """
     root = open_source(source)
-    layouts = resolve_layouts(root, chunks, shards=shards)
+    layouts = resolve_layouts(root, chunks, shards=shards, coordinates=coordinates)
     fmt = _target_format(root, zarr_format, layouts)
     if fmt == 2:  # arrays copied from sharded format 3 sources lose their shards
         layouts = tuple(replace(lay, shards=None) for lay in layouts)
@@ -155,14 +156,14 @@ def dimension_names(arr: zarr.Array) -> tuple[str | None, ...] | None:
 
 
 def resolve_layouts(
-    root: zarr.Array | zarr.Group, chunks: Any, *, shards: Any = None
+    root: zarr.Array | zarr.Group, chunks: Any, *, shards: Any = None, coordinates: bool = False
 ) -> tuple[ArrayLayout, ...]:
     """Target layout of every array under ``root``, in a stable order.
 
     Parameters
     ----------
     root : zarr.Array or zarr.Group
-    chunks, shards
+    chunks, shards, coordinates
         As for :func:`rechunk_p2p.integrations.zarr.rechunk_zarr`.
 
     Raises
@@ -182,7 +183,7 @@ def resolve_layouts(
         )
         if not arrays:
             raise RechunkInputError("the source group holds no arrays")
-        keys = _GroupKeys.of(arrays)
+        keys = _GroupKeys.of(arrays, coordinates)
         per_array = [
             (keys.axes(name, arr, chunks, "chunks"), keys.axes(name, arr, shards, "shards"))
             for name, arr in arrays
@@ -199,11 +200,12 @@ class _GroupKeys:
 
     dims: frozenset[str]
     names: frozenset[str]
+    coordinates: bool = False
 
     @classmethod
-    def of(cls, arrays: list[tuple[str, zarr.Array]]) -> _GroupKeys:
+    def of(cls, arrays: list[tuple[str, zarr.Array]], coordinates: bool = False) -> _GroupKeys:
         dims = {d for _, a in arrays for d in (dimension_names(a) or ()) if d is not None}
-        return cls(frozenset(dims), frozenset(name for name, _ in arrays))
+        return cls(frozenset(dims), frozenset(name for name, _ in arrays), coordinates)
 
     def axes(self, name: str, arr: zarr.Array, spec: Any, what: str) -> dict[int, Any] | None:
         """Per-axis spec for one array of the group, or ``None`` if nothing applies."""
@@ -219,6 +221,8 @@ class _GroupKeys:
         self._check(spec, what)
         if name in spec and name not in self.dims:
             return _array_axes(name, arr, spec[name])
+        if not self.coordinates and is_dimension_coordinate(name, arr):
+            return None  # a coordinate (lat, time) keeps its own layout, as in xarray
         dims = dimension_names(arr) or ()
         return {i: spec[d] for i, d in enumerate(dims) if d in spec} or None
 
@@ -235,6 +239,17 @@ class _GroupKeys:
                 f"unknown dimension name(s) {_names(unknown)} in {what}; the group's "
                 f"dimensions are {_names(self.dims)} and its arrays {_names(self.names)}"
             )
+
+
+def is_dimension_coordinate(name: str, arr: zarr.Array) -> bool:
+    """Whether ``arr`` is the coordinate of a dimension: 1-D along a dimension of its name.
+
+    >>> is_dimension_coordinate("grid/lat", type("A", (), {"ndim": 2})())
+    False
+    """
+    if arr.ndim != 1:
+        return False
+    return dimension_names(arr) == (name.rsplit("/", 1)[-1],)
 
 
 def _array_axes(name: str, arr: zarr.Array, spec: Any) -> dict[int, Any] | None:

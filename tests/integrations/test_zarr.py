@@ -49,8 +49,8 @@ def test_group_rechunk_keeps_everything(p2p_client, tmp_path, zarr_format):
     expected_chunks = {
         "temperature": (T, 5, X),
         "orography": (5, X),
-        "time": (T,),
-        "lat": (5,),
+        "time": (T,),  # dimension coordinates keep their own layout (as xarray's do)
+        "lat": (Y,),
         "lon": (X,),  # no chunks asked for lon: copied in its own layout
         "version": (),
         "meta/station_ids": (3,),
@@ -72,12 +72,7 @@ def test_group_rechunk_keeps_everything(p2p_client, tmp_path, zarr_format):
     assert dict(tgt_group["meta"].attrs) == {"source": "synthetic"}
     assert tgt_group.metadata.consolidated_metadata is not None
 
-    assert {a.name for a in report.arrays if a.rechunked} == {
-        "temperature",
-        "orography",
-        "time",
-        "lat",
-    }
+    assert {a.name for a in report.arrays if a.rechunked} == {"temperature", "orography"}
     assert report.nbytes == sum(a.nbytes for a in source.values())
     assert report.statistics["runs"] >= 1  # the P2P engine moved the data
     assert "throughput" in str(report)
@@ -334,6 +329,18 @@ def test_target_inside_source_is_refused(tmp_path):
         with pytest.raises(RechunkInputError, match="overlaps the source"):
             rechunk_zarr(src, target, {"time": -1}, overwrite=True, progress=False)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == files_before
+
+
+def test_coordinates_follow_dimension_chunks_only_when_asked(p2p_client, tmp_path):
+    src = tmp_path / "src.zarr"
+    make_climate_group(src, 3)
+    chunks = {"time": 4, "lat": 5}
+    report = rechunk_zarr(src, tmp_path / "a.zarr", chunks, coordinates=True, progress=False)
+    assert {a.name for a in report.arrays if a.rechunked} >= {"time", "lat"}
+    assert zarr.open_array(tmp_path / "a.zarr" / "lat").chunks == (5,)
+    default = rechunk_zarr(src, tmp_path / "b.zarr", chunks, progress=False)
+    assert not {"time", "lat"} & {a.name for a in default.arrays if a.rechunked}
+    assert zarr.open_array(tmp_path / "b.zarr" / "lat").chunks == (Y,)
 
 
 def test_progress_stays_out_of_logs_and_pipes(p2p_client, tmp_path, capfd):
