@@ -10,6 +10,7 @@ the worker that assembled it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -22,9 +23,9 @@ import dask
 import dask.array as da
 import distributed
 import zarr
-from dask.utils import format_bytes, format_time
+from dask.utils import format_bytes, format_time, parse_bytes
 
-from rechunk_p2p.errors import ClusterError
+from rechunk_p2p.errors import ClusterError, RechunkInputError
 from rechunk_p2p.integrations import cluster_statistics, plan_array, rechunk_array
 from rechunk_p2p.integrations.zarr_input import (
     ArrayLayout,
@@ -129,7 +130,9 @@ def rechunk_zarr(
     progress: bool = True,
     client: distributed.Client | str | None = None,
     coordinates: bool = False,
-) -> ZarrRechunkReport:
+    compute: bool = True,
+    max_mem: int | str | None = None,
+) -> ZarrRechunkReport | ZarrRechunk:
     """Copy a zarr array or group to ``target`` with new chunks, rechunking peer to peer.
 
     Parameters
@@ -168,6 +171,14 @@ def rechunk_zarr(
         ``lat``) follow chunks given by dimension name. By default they keep their own
         layout, as xarray keeps index coordinates; an array named in ``chunks`` is always
         rechunked.
+    compute : bool
+        Run now and return the report (default), or return a :class:`ZarrRechunk` to
+        inspect (``.plan``) and run later (``.execute()``), as rechunker's ``rechunk`` does.
+    max_mem : int or str, optional
+        Memory budget per worker, as rechunker's ``max_mem`` (``"2GB"``): shards wait in
+        memory only if a worker's share of them fits in it (else on local disk), and input
+        chunks are merged only up to it. Default: decide by the workers' memory limits
+        (``rechunk-p2p.storage: auto``).
     client : distributed.Client or str, optional
         The cluster to run on: a client, or a scheduler's address (``"tcp://host:8786"``).
         Default: the current client, else a LocalCluster for the call (called from a
@@ -205,28 +216,95 @@ def rechunk_zarr(
         storage=storage,
         coordinates=coordinates,
     )
-    with _client(client) as client:
-        before = cluster_statistics(client)
-        start = time.perf_counter()
-        try:
-            job.dest.clear()
-            targets = _create_target(job)
-            _run(client, store_arrays(job.layouts, targets, storage=storage), progress=progress)
-            if _is_consolidated(job.root):
-                _consolidate(job.dest.location, job.zarr_format)
-        except BaseException:
-            job.dest.remove()
-            raise
-        seconds = time.perf_counter() - start
-        after = cluster_statistics(client)
-    return ZarrRechunkReport(
-        source=_describe(job.root),
-        target=str(job.dest),
-        zarr_format=job.zarr_format,
-        arrays=job.layouts,
-        seconds=seconds,
-        statistics={k: after.get(k, 0) - before.get(k, 0) for k in after},
-    )
+    if max_mem is not None:
+        max_mem = int(parse_bytes(max_mem))
+        if max_mem <= 0:
+            raise RechunkInputError(f"max_mem must be a positive number of bytes, not {max_mem}")
+    rechunk = ZarrRechunk(job, storage=storage, progress=progress, client=client, max_mem=max_mem)
+    return rechunk.execute() if compute else rechunk
+
+
+class ZarrRechunk:
+    """**Loop-confined** (the caller's thread). A checked :func:`rechunk_zarr` call, not run.
+
+    Returned by ``rechunk_zarr(..., compute=False)``, like rechunker's ``Rechunked``:
+    :attr:`plan` says what each array's rechunk will do, :meth:`execute` runs it once.
+    """
+
+    def __init__(
+        self,
+        job: ZarrRechunkJob,
+        *,
+        storage: str | None,
+        progress: bool,
+        client: distributed.Client | str | None,
+        max_mem: int | None,
+    ) -> None:
+        self._job = job
+        self._storage = storage
+        self._progress = progress
+        self._client = client
+        self._max_mem = max_mem
+        self._done = False
+
+    @functools.cached_property
+    def plan(self) -> dict[str, Any]:
+        """Array name -> the engine's :class:`RechunkPlan` (``None``: copied as it is)."""
+        return {
+            lay.name: plan_array(_read(lay), lay.write_chunks) if lay.rechunked else None
+            for lay in self._job.layouts
+        }
+
+    def __repr__(self) -> str:
+        job = self._job
+        n = sum(p is not None for p in self.plan.values())
+        size = format_bytes(sum(lay.nbytes for lay in job.layouts))
+        budget = f", max_mem {format_bytes(self._max_mem)}" if self._max_mem else ""
+        return (
+            f"<ZarrRechunk {_describe(job.root)} -> {job.dest}: {len(job.layouts)} array(s), "
+            f"{n} rechunked, {size}{budget}; call .execute()>"
+        )
+
+    def _repr_html_(self) -> str:
+        from rechunk_p2p.diagnostics.html import table_html
+
+        rows = [
+            (name or "(array)", "copied as it is" if p is None else dict(p.rows())["chunks"])
+            for name, p in self.plan.items()
+        ]
+        return table_html(repr(self)[1:-1], rows)
+
+    def execute(self) -> ZarrRechunkReport:
+        """Run the rechunk (once) and return its report. If it fails, the target it created
+        is removed."""
+        if self._done:
+            raise RechunkInputError(f"{self!r} was executed already")
+        self._done = True
+        job = self._job
+        with _client(self._client) as client:
+            before = cluster_statistics(client)
+            start = time.perf_counter()
+            try:
+                job.dest.clear()
+                targets = _create_target(job)
+                storage = self._storage or _storage_within(self._max_mem, self.plan, client)
+                stored = store_arrays(job.layouts, targets, storage=storage, limit=self._max_mem)
+                _run(client, stored, progress=self._progress)
+                if _is_consolidated(job.root):
+                    _consolidate(job.dest.location, job.zarr_format)
+            except BaseException:
+                job.dest.remove()
+                raise
+            seconds = time.perf_counter() - start
+            after = cluster_statistics(client)
+        return ZarrRechunkReport(
+            source=_describe(job.root),
+            target=str(job.dest),
+            zarr_format=job.zarr_format,
+            arrays=job.layouts,
+            seconds=seconds,
+            statistics={k: after.get(k, 0) - before.get(k, 0) for k in after},
+        )
 
 
 def plan_zarr(
@@ -261,19 +339,35 @@ def _read(layout: ArrayLayout) -> da.Array:
     return da.from_zarr(layout.source, chunks=chunks)
 
 
+def _storage_within(max_mem: int | None, plans: Mapping[str, Any], client: Any) -> str | None:
+    """With a budget: memory if a worker's share of the shuffled bytes fits it, else disk."""
+    if max_mem is None:
+        return None
+    workers = max(len(client.scheduler_info(n_workers=-1)["workers"]), 1)
+    shuffled = sum(p.bytes_shuffled for p in plans.values() if p is not None)
+    return "memory" if shuffled / workers <= max_mem else "disk"
+
+
 def store_arrays(
-    layouts: tuple[ArrayLayout, ...], targets: list[zarr.Array], *, storage: str | None = None
+    layouts: tuple[ArrayLayout, ...],
+    targets: list[zarr.Array],
+    *,
+    storage: str | None = None,
+    limit: int | None = None,
 ) -> list[da.Array]:
     """Lazy arrays whose tasks read, rechunk and write every array; one task per target
     chunk (or shard), each returning its target, never the data.
 
     The rechunk's output chunks are the targets' write units, so every chunk (or shard)
-    is written whole, once, without locks. ``storage`` is set around graph construction.
+    is written whole, once, without locks. ``storage`` is set around graph construction;
+    ``limit`` bounds merged input blocks (``block_size_limit``).
     """
     settings = {"rechunk-p2p.storage": storage} if storage else {}
     with dask.config.set(settings):
         arrays = [
-            rechunk_array(_read(lay), lay.write_chunks) if lay.rechunked else _read(lay)
+            rechunk_array(_read(lay), lay.write_chunks, block_size_limit=limit)
+            if lay.rechunked
+            else _read(lay)
             for lay in layouts
         ]
     stored = da.store(

@@ -384,3 +384,30 @@ def test_bare_format2_array_with_a_numcodecs_compressor(p2p_client, tmp_path):
     assert out.chunks == (40, 5)
     assert isinstance(out.compressors[0], numcodecs.Zstd)
     np.testing.assert_array_equal(out[:], src[:])
+
+
+def test_lazy_rechunk_like_rechunker(p2p_client, tmp_path):
+    """compute=False: a plan to inspect, nothing written until execute(); max_mem decides
+    where shards wait (a tiny budget: on disk; a large one: in memory)."""
+    from rechunk_p2p.integrations.zarr import ZarrRechunk
+
+    src = tmp_path / "src.zarr"
+    make_climate_group(src, 3)
+    chunks = {"time": -1, "lat": 5}
+    lazy = rechunk_zarr(src, tmp_path / "a.zarr", chunks, compute=False, max_mem="1KiB")
+    assert isinstance(lazy, ZarrRechunk)
+    assert lazy.plan["temperature"].new_chunks[0] == (T,)
+    assert lazy.plan["lon"] is None  # copied as it is
+    assert "call .execute()" in repr(lazy) and "<table" in lazy._repr_html_()
+    assert not (tmp_path / "a.zarr").exists()
+    report = lazy.execute()
+    assert report.bytes_spilled > 0  # 1 KiB per worker: the shards waited on disk
+    assert_same_values(arrays_of(src)["temperature"], arrays_of(tmp_path / "a.zarr")["temperature"])
+    with pytest.raises(RechunkInputError, match="executed already"):
+        lazy.execute()
+    roomy = rechunk_zarr(src, tmp_path / "b.zarr", chunks, max_mem="1GiB", progress=False)
+    assert roomy.bytes_spilled == 0
+    with pytest.raises(RechunkInputError, match="max_mem must be a positive"):
+        rechunk_zarr(src, tmp_path / "c.zarr", {"time": -1, "lat": 5}, max_mem=0)
+    assert not (tmp_path / "c.zarr").exists()
+    assert_clean_sync(p2p_client)
