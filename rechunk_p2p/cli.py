@@ -181,6 +181,19 @@ def _demo_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _json_object(text: str) -> dict:
+    """``--storage-options``: a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object, like '{\"anon\": true}'")
+    return value
+
+
 def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunks",
@@ -189,6 +202,11 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         "365,90,180 for an array, or one value for every axis",
     )
     p.add_argument("--shards", help="shard shape of the target (zarr format 3), like --chunks")
+    p.add_argument(
+        "--storage-options",
+        type=_json_object,
+        help='fsspec options for s3://, gs://, ... URLs, as JSON: \'{"anon": true}\'',
+    )
     p.add_argument(
         "--include-coords",
         action="store_true",
@@ -251,6 +269,7 @@ def run_command(args: argparse.Namespace) -> int:
         "overwrite": args.overwrite,
         "storage": args.storage,
         "coordinates": args.include_coords,
+        "storage_options": args.storage_options,
     }
     check_zarr_rechunk(args.source, args.target, args.chunks, **options)  # before any cluster
     with cluster(args) as client, _probe(client) as probe:
@@ -275,8 +294,9 @@ def plan_command(args: argparse.Namespace) -> int:
         shards=args.shards,
         n_workers=n_workers,
         coordinates=args.include_coords,
+        storage_options=args.storage_options,
     )
-    root = open_source(args.source)
+    root = open_source(args.source, args.storage_options)
     print(f"{args.source}: zarr format {root.metadata.zarr_format}, {len(plans)} array(s)")
     for name, (layout, plan) in plans.items():
         src = layout.source

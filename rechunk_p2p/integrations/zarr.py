@@ -132,6 +132,7 @@ def rechunk_zarr(
     coordinates: bool = False,
     compute: bool = True,
     max_mem: int | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ZarrRechunkReport | ZarrRechunk:
     """Copy a zarr array or group to ``target`` with new chunks, rechunking peer to peer.
 
@@ -179,6 +180,9 @@ def rechunk_zarr(
         memory only if a worker's share of them fits in it (else on local disk), and input
         chunks are merged only up to it. Default: decide by the workers' memory limits
         (``rechunk-p2p.storage: auto``).
+    storage_options : dict, optional
+        fsspec options for a source or target given as a URL (``s3://bucket/data.zarr``,
+        ``gs://...``): credentials, ``endpoint_url`` via ``client_kwargs`` and so on.
     client : distributed.Client or str, optional
         The cluster to run on: a client, or a scheduler's address (``"tcp://host:8786"``).
         Default: the current client, else a LocalCluster for the call (called from a
@@ -215,6 +219,7 @@ def rechunk_zarr(
         overwrite=overwrite,
         storage=storage,
         coordinates=coordinates,
+        storage_options=storage_options,
     )
     if max_mem is not None:
         max_mem = int(parse_bytes(max_mem))
@@ -314,6 +319,7 @@ def plan_zarr(
     shards: Any = None,
     n_workers: int | None = None,
     coordinates: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, tuple[ArrayLayout, Any]]:
     """Plan :func:`rechunk_zarr` without running it.
 
@@ -323,7 +329,8 @@ def plan_zarr(
         Array name (``""`` for a bare array) -> ``(layout, plan)``, where ``plan`` is the
         engine's :class:`RechunkPlan`, or ``None`` for an array copied in its own layout.
     """
-    layouts = resolve_layouts(open_source(source), chunks, shards=shards, coordinates=coordinates)
+    root = open_source(source, storage_options)
+    layouts = resolve_layouts(root, chunks, shards=shards, coordinates=coordinates)
     return {
         lay.name: (lay, plan_array(_read(lay), lay.write_chunks, n_workers=n_workers))
         if lay.rechunked

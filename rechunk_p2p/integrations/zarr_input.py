@@ -63,25 +63,29 @@ def check_zarr_rechunk(
     overwrite: bool = False,
     storage: str | None = None,
     coordinates: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ZarrRechunkJob:
     """Check the arguments of :func:`rechunk_zarr` (same meaning) without writing anything.
 
     Reads metadata only and needs no cluster. Raises what :func:`rechunk_zarr` raises for
     bad input; returns the checked job.
     """
-    root = open_source(source)
+    root = open_source(source, storage_options)
     layouts = resolve_layouts(root, chunks, shards=shards, coordinates=coordinates)
     fmt = _target_format(root, zarr_format, layouts)
     if fmt == 2:  # arrays copied from sharded format 3 sources lose their shards
         layouts = tuple(replace(lay, shards=None) for lay in layouts)
     options = _check_array_options(array_options)
     _check_storage(storage)
-    dest = _Target.of(target, root, overwrite=overwrite)
+    dest = _Target.of(target, root, overwrite=overwrite, storage_options=storage_options)
     return ZarrRechunkJob(root, layouts, fmt, options, dest)
 
 
-def open_source(source: Any) -> zarr.Array | zarr.Group:
-    """Open ``source`` read-only: a zarr Array or Group as it is, else a path or store.
+def open_source(
+    source: Any, storage_options: Mapping[str, Any] | None = None
+) -> zarr.Array | zarr.Group:
+    """Open ``source`` read-only: a zarr Array or Group as it is, else a path, URL or store
+    (``storage_options`` go to fsspec for a URL such as ``s3://bucket/data.zarr``).
 
     Raises
     ------
@@ -97,7 +101,8 @@ def open_source(source: Any) -> zarr.Array | zarr.Group:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
-            return zarr.open(source, mode="r")
+            options = {"storage_options": dict(storage_options)} if storage_options else {}
+            return zarr.open(source, mode="r", **options)
     except (FileNotFoundError, zarr.errors.BaseZarrError) as e:
         raise RechunkInputError(f"source {source!r} is not a zarr array or group ({e})") from e
 
@@ -409,9 +414,16 @@ class _Target:
     existed: bool
 
     @classmethod
-    def of(cls, target: Any, root: zarr.Array | zarr.Group, *, overwrite: bool) -> _Target:
+    def of(
+        cls,
+        target: Any,
+        root: zarr.Array | zarr.Group,
+        *,
+        overwrite: bool,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> _Target:
         """Check ``target`` against the source and ``overwrite``; touch nothing."""
-        target = _local_or_store(target)
+        target = _local_or_store(target, storage_options)
         if isinstance(target, str):
             path = target
             existed = os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
@@ -453,7 +465,7 @@ class _Target:
         return self.path or repr(self.location)
 
 
-def _local_or_store(target: Any) -> Any:
+def _local_or_store(target: Any, storage_options: Mapping[str, Any] | None = None) -> Any:
     """A local target as its absolute path, anything else as a zarr store."""
     if isinstance(target, zarr.storage.LocalStore):
         target = str(target.root)
@@ -461,7 +473,9 @@ def _local_or_store(target: Any) -> Any:
         target = target[len("file://") :]
     elif _is_url(target):
         try:
-            return zarr.storage.FsspecStore.from_url(target, read_only=False)
+            return zarr.storage.FsspecStore.from_url(
+                target, storage_options=dict(storage_options or {}), read_only=False
+            )
         except ImportError as e:
             raise RechunkInputError(f"target {target!r} is a URL, which needs fsspec: {e}") from e
     if isinstance(target, str | os.PathLike):
