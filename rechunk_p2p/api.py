@@ -405,9 +405,10 @@ def register(client: Any) -> Any:
 
 def cluster_statistics(client: Any) -> dict[str, int]:
     """Totals over every worker since it started: runs, bytes sent, received and spilled."""
-    from rechunk_p2p.worker.plugin import get_plugin
 
-    def _totals(dask_worker: Any) -> dict[str, int]:
+    def _totals(dask_worker: Any) -> dict[str, int]:  # runs on each worker
+        from rechunk_p2p.worker.plugin import get_plugin
+
         try:
             totals = get_plugin(dask_worker).totals()
         except ClusterError:

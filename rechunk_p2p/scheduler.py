@@ -17,8 +17,14 @@ from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p.errors import ClusterError, StaleRunError
-from rechunk_p2p.spec import RunSpec, ShuffleSpec, barrier_key, id_from_key
-from rechunk_p2p.worker.plugin import METADATA_KEY, PLUGIN_NAME, RechunkWorkerPlugin
+from rechunk_p2p.spec import (
+    METADATA_KEY,
+    PLUGIN_NAME,
+    RunSpec,
+    ShuffleSpec,
+    barrier_key,
+    id_from_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 "rechunk_p2p_restrict": self.restrict,
             }
         )
+        from rechunk_p2p.worker.plugin import RechunkWorkerPlugin  # the workers' code
+
         await scheduler.register_worker_plugin(
             None, dumps(RechunkWorkerPlugin()), name=PLUGIN_NAME, idempotent=True
         )

@@ -25,6 +25,11 @@ OUTPUT_PREFIX = "rechunk-p2p-out-"
 
 Slices = tuple[slice, ...]
 
+#: Name of the scheduler plugin and of the worker plugin.
+PLUGIN_NAME = "rechunk-p2p"
+#: Scheduler metadata key under which each worker publishes its data-plane address.
+METADATA_KEY = "rechunk-p2p-dataplane"
+
 
 def barrier_key(shuffle_id: str) -> str:
     """The key of the barrier task of one sub-shuffle."""

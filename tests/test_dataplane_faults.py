@@ -18,7 +18,7 @@ from distributed.security import Security
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
-from rechunk_p2p.worker.plugin import METADATA_KEY
+from rechunk_p2p.spec import METADATA_KEY
 from tests.conftest import assert_clean
 from tests.engine_helpers import TWO, check_result
 

@@ -31,15 +31,13 @@ from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread
-from rechunk_p2p.spec import RunSpec
+from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunSpec
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import RunStatistics, WorkerRun
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "rechunk-p2p"
 _CLOSED_IDS_KEPT = 10_000
-METADATA_KEY = "rechunk-p2p-dataplane"
 #: How long a task waits for the plugins to arrive when it installs them itself.
 _INSTALL_TIMEOUT = 60.0
 
