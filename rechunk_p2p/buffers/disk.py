@@ -469,10 +469,12 @@ def _makedirs_tracked(path: str) -> list[str]:
 def _make_store_directory(parent: str, name: str, created: list[str]) -> str:
     """Create ``parent/name`` (``parent/name-XXXX`` if taken) and any missing parents.
 
-    Parents this call created are appended to ``created``. If a sibling store removes an
-    empty parent it had created between our two ``mkdir`` calls, the parent is made again.
+    Parents this call created are appended to ``created``. If a sibling store removes the
+    empty parent between our two ``mkdir`` calls (a closing store removes the engine's
+    directory when it is empty), the parent is made again.
     """
-    for attempt in range(3):
+    attempts = 100
+    for attempt in range(attempts):
         created.extend(_makedirs_tracked(parent))
         path = os.path.join(parent, name)
         try:
@@ -480,7 +482,7 @@ def _make_store_directory(parent: str, name: str, created: list[str]) -> str:
         except FileExistsError:
             return tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
         except FileNotFoundError:
-            if attempt == 2:
+            if attempt == attempts - 1:
                 raise
             continue
         return path
