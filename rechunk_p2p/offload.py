@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
@@ -44,10 +44,6 @@ class OffloadPool:
         """From an event loop: run ``fn`` on the pool and await its result."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
-
-    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        """From anywhere: start ``fn`` on the pool without waiting."""
-        return self._executor.submit(fn, *args, **kwargs)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait``, let queued work finish first."""

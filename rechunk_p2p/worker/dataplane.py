@@ -133,7 +133,7 @@ class DataPlane:
         does not grow with the number of shards.
         """
         assert self._pool is not None
-        await self._pool(address).rechunk_p2p_shards(
+        await getattr(self._pool(address), SHARDS_OP)(
             shuffle_id=shuffle_id,
             run_id=run_id,
             headers=[p.header() for p in batch],

@@ -51,6 +51,15 @@ class WorkerTotals:
     bytes_received: int
     bytes_spilled: int
 
+    def plus(self, run: RunStatistics) -> WorkerTotals:
+        """These totals with one more run counted."""
+        return WorkerTotals(
+            self.runs + 1,
+            self.bytes_sent + run.bytes_sent,
+            self.bytes_received + run.bytes_received,
+            self.bytes_spilled + run.bytes_spilled,
+        )
+
 
 class RechunkWorkerPlugin(WorkerPlugin):
     """**Thread-safe (guarded by `_lock`).** rechunk_p2p's state on one worker.
@@ -69,7 +78,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self.dataplane: DataPlane | None = None
         self.offload: OffloadPool | None = None
         self._fetching: dict[str, asyncio.Future[WorkerRun]] = {}
-        self._closed_totals = [0, 0, 0, 0]
+        self._closed_totals = WorkerTotals(0, 0, 0, 0)
         # highest run id the scheduler closed, per shuffle id (bounded, oldest dropped first)
         self._closed_run_ids: OrderedDict[str, int] = OrderedDict()
         self._background: set[asyncio.Future[None]] = set()
@@ -211,11 +220,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         with self._lock:
             if self.runs.get(run.id) is run:
                 del self.runs[run.id]
-                totals = self._closed_totals
-                totals[0] += 1
-                totals[1] += stats.bytes_sent
-                totals[2] += stats.bytes_received
-                totals[3] += stats.bytes_spilled
+                self._closed_totals = self._closed_totals.plus(stats)
         if await run.close():
             _tuning.release()
 
@@ -344,13 +349,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def totals(self) -> WorkerTotals:
         open_stats = self.run_statistics()
         with self._lock:
-            runs, sent, received, spilled = self._closed_totals
-        return WorkerTotals(
-            runs=runs + len(open_stats),
-            bytes_sent=sent + sum(s.bytes_sent for s in open_stats),
-            bytes_received=received + sum(s.bytes_received for s in open_stats),
-            bytes_spilled=spilled + sum(s.bytes_spilled for s in open_stats),
-        )
+            totals = self._closed_totals
+        for stats in open_stats:
+            totals = totals.plus(stats)
+        return totals
 
 
 class _ProcessTuning:

@@ -31,11 +31,19 @@ from rechunk_p2p.worker.dataplane import DataPlane
 
 
 class RunPhase(enum.Enum):
-    """Where a run is on one worker. Changed only by :meth:`WorkerRun._set_phase`."""
+    """Where a run is on one worker. Changed only by :meth:`WorkerRun._set_phase`, along
+    :data:`_NEXT` (a run is closed once, from either phase, and stays closed)."""
 
     TRANSFERRING = "transferring"
     INPUTS_DONE = "inputs-done"
     CLOSED = "closed"
+
+
+_NEXT: dict[RunPhase, frozenset[RunPhase]] = {
+    RunPhase.TRANSFERRING: frozenset({RunPhase.INPUTS_DONE, RunPhase.CLOSED}),
+    RunPhase.INPUTS_DONE: frozenset({RunPhase.INPUTS_DONE, RunPhase.CLOSED}),
+    RunPhase.CLOSED: frozenset(),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +107,6 @@ class WorkerRun:
         self._outputs = 0
         self._bytes_local = 0
         self._bytes_received = 0
-        self._closed = threading.Event()
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -119,12 +126,16 @@ class WorkerRun:
             return self._phase
 
     def _set_phase(self, phase: RunPhase) -> RunPhase:
+        """Move to ``phase``; the phase it left. A closed run raises ``StaleRunError``."""
         with self._lock:
-            previous, self._phase = self._phase, phase
+            previous = self._phase
+            if phase not in _NEXT[previous]:
+                raise StaleRunError(f"{self!r} cannot go from {previous.value} to {phase.value}")
+            self._phase = phase
             return previous
 
     def _raise_if_closed(self) -> None:
-        if self._closed.is_set():
+        if self.phase is RunPhase.CLOSED:
             raise StaleRunError(f"{self!r} is closed")
 
     # --- task threads -------------------------------------------------------------------------
@@ -293,11 +304,10 @@ class WorkerRun:
 
         Idempotent: returns whether this call closed the run.
         """
-        with self._lock:
-            if self._closed.is_set():
-                return False
-            self._closed.set()
-        self._set_phase(RunPhase.CLOSED)
+        try:
+            self._set_phase(RunPhase.CLOSED)
+        except StaleRunError:
+            return False  # closed already
         await on_loop(self._dataplane.loop, self._comm.close)
         await self._offload.to_thread(self._store.close_blocking)
         return True
