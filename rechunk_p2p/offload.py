@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
+from rechunk_p2p.errors import RechunkRunError
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -59,7 +61,7 @@ def from_thread(
 ) -> T:
     """From a thread (never the loop's own): run ``coro_fn(*args)`` on ``loop``, block for it."""
     if _running_loop() is loop:
-        raise RuntimeError("from_thread() was called on the loop it would block")
+        raise RechunkRunError("from_thread() was called on the loop it would block")
     future = asyncio.run_coroutine_threadsafe(_call(coro_fn, *args, **kwargs), loop)
     return future.result(timeout)
 
@@ -103,7 +105,7 @@ class LoopThread:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise RuntimeError(f"{self.name} is not running")
+            raise RechunkRunError(f"{self.name} is not running")
         return self._loop
 
     def start_blocking(self) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
-from rechunk_p2p.errors import RechunkCommError
+from rechunk_p2p.errors import RechunkCommError, StaleRunError
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class CommBuffer:
         if self._exception is not None:
             raise self._exception
         if self._closed:
-            raise RuntimeError("The comm buffer is closed")
+            raise StaleRunError(f"{self._name}: the run was closed; its sends are dropped")
 
     def _ensure_drainer(self, address: str) -> None:
         if address not in self._drainers and self._queues[address]:

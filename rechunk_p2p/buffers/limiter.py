@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from rechunk_p2p.errors import RechunkRunError
+
 
 @dataclass(frozen=True, slots=True)
 class LimiterStatistics:
@@ -59,7 +61,7 @@ class ByteLimiter:
         """Give back ``nbytes`` and wake waiters."""
         self.used -= nbytes
         if self.used < 0:
-            raise RuntimeError(f"Released more bytes than were held ({self.used})")
+            raise RechunkRunError(f"Released more bytes than were held ({self.used})")
         async with self._cond():
             self._cond().notify_all()
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rechunk_p2p.buffers.base import Shard
+from rechunk_p2p.errors import RechunkRunError
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +131,8 @@ def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
     if shapes and all(s == shapes[0] for s in shapes):  # a regular cut: one reshape
         count = len(shapes) * int(np.prod(shapes[0], dtype=np.int64))
         if count * dtype.itemsize != packed.nbytes:
-            raise ValueError(f"Packed payload has {packed.nbytes} bytes, its shards more")
+            need = count * dtype.itemsize
+            raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {need}")
         arrays = packed.payload.view(dtype).reshape(len(shapes), *shapes[0])
         return list(zip(packed.outputs, packed.inputs, arrays))
     shards: list[Shard] = []
@@ -143,5 +145,5 @@ def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
         shards.append((out, inp, arr))
         offset += n
     if offset != packed.nbytes:
-        raise ValueError(f"Packed payload has {packed.nbytes} bytes, its shards {offset}")
+        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {offset}")
     return shards

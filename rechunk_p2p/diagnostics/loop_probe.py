@@ -29,6 +29,7 @@ from typing import Any
 from rechunk_p2p.diagnostics import gc_pauses
 from rechunk_p2p.diagnostics.loop_stats import LagAccumulator, summarise
 from rechunk_p2p.diagnostics.stall_causes import CauseTracker, StallWatchdog
+from rechunk_p2p.errors import ClusterError
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def _digest(server: Any, name: str) -> float:
 def _start(server: Any, token: str, options: dict[str, Any]) -> str:
     key = (token, server.address)
     if key in _PROBES:
-        raise RuntimeError(f"loop probe {token} already running on {server.address}")
+        raise ClusterError(f"loop probe {token} already running on {server.address}")
     _PROBES[key] = _LoopProbe(server, **options)
     return server.address
 

@@ -15,6 +15,8 @@ import bisect
 import itertools
 from typing import NamedTuple
 
+from rechunk_p2p.errors import RechunkInputError
+
 
 class AxisPiece(NamedTuple):
     """**Immutable.** The intersection of old chunk ``old`` with new chunk ``new`` on one axis.
@@ -124,4 +126,4 @@ def _members(bounds: tuple[int, ...], cuts: list[int]) -> list[range]:
 
 def _check_same_length(old: tuple[int, ...], new: tuple[int, ...]) -> None:
     if sum(old) != sum(new):
-        raise ValueError(f"Chunks {old} and {new} do not cover the same length")
+        raise RechunkInputError(f"Chunks {old} and {new} do not cover the same length")

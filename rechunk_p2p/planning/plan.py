@@ -27,7 +27,7 @@ def make_partials(old_chunks: Chunks, new_chunks: Chunks) -> tuple[Partial, ...]
     2
     """
     if len(old_chunks) != len(new_chunks):
-        raise ValueError(f"Chunks {old_chunks} and {new_chunks} have different dimensions")
+        raise RechunkInputError(f"Chunks {old_chunks} and {new_chunks} have different dimensions")
     groups = [axis_groups(o, n) for o, n in zip(old_chunks, new_chunks)]
     partials = []
     for index in itertools.product(*(range(len(g)) for g in groups)):
