@@ -22,6 +22,7 @@ from distributed.protocol import to_serialize
 
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
+from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.offload import LoopThread, from_thread
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class DataPlane:
             except OSError as e:  # taken: try the next port of the range
                 error = e
         else:
-            raise OSError(
+            raise ClusterError(
                 f"The rechunk_p2p data plane of {self._worker_address} found no free port in "
                 f"{self._ports.start}-{self._ports.stop - 1} (rechunk-p2p.dataplane.port): {error}"
             )
