@@ -272,12 +272,11 @@ def run_command(args: argparse.Namespace) -> int:
         "storage_options": args.storage_options,
     }
     check_zarr_rechunk(args.source, args.target, args.chunks, **options)  # before any cluster
-    with cluster(args) as client, _probe(client) as probe:
+    with cluster(args):
         report = rechunk_zarr(
             args.source, args.target, args.chunks, progress=not args.no_progress, **options
         )
-    print(report)
-    print(_lag_line(probe))
+    print(report)  # its last line is the event-loop lag over the run
     return 0
 
 
@@ -315,15 +314,13 @@ def demo_command(args: argparse.Namespace) -> int:
     """``rechunk-p2p demo``: generate, rechunk, verify, clean up."""
     from rechunk_p2p.integrations import demo
 
-    with demo.workspace() as work, cluster(args) as client:
+    with demo.workspace() as work, cluster(args):
         source = demo.generate(work, args.size)
         print(f"generated {source.describe()}")
-        with _probe(client) as probe:
-            report = demo.rechunk(source, work, storage=args.storage)
+        report = demo.rechunk(source, work, storage=args.storage)
         demo.verify(source, report.target)
         print(f"verified: all {source.n_elements:,} temperature values equal the source")
-    print(report)
-    print(_lag_line(probe))
+    print(report)  # its last line is the event-loop lag over the rechunk
     return 0
 
 
@@ -365,31 +362,6 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
         distributed.Client(local) as client,
     ):
         yield client
-
-
-@contextlib.contextmanager
-def _probe(client: Any) -> Iterator[Any]:
-    """Event-loop lag while the block runs; ``None`` if it cannot be measured."""
-    from rechunk_p2p.integrations import event_loop_probe
-
-    with contextlib.ExitStack() as stack:
-        try:
-            probe = stack.enter_context(event_loop_probe(client))
-        except Exception as e:  # the lag is a nicety: never fail a rechunk over it
-            logging.getLogger(__name__).warning("cannot measure event-loop lag: %s", e)
-            probe = None
-        yield probe
-
-
-def _lag_line(probe: Any) -> str:
-    report = getattr(probe, "report", None)
-    if report is None:
-        return "  event-loop lag: not measured"
-    overall = report.overall
-    return (
-        f"  event-loop lag: p99 {overall.p99_ms:.1f} ms, max {overall.max_ms:.1f} ms "
-        f"(scheduler and {len(report.workers())} workers)"
-    )
 
 
 def _fail(message: str) -> None:

@@ -65,6 +65,9 @@ class ZarrRechunkReport:
     statistics : dict
         Change in :func:`rechunk_p2p.api.cluster_statistics` over the call
         (``bytes_spilled``, ``bytes_sent``, ``bytes_received``, ``runs``).
+    loop_lag : tuple, optional
+        Event-loop lag over the call: ``(p99 ms, max ms, workers)`` of the scheduler and
+        the workers together; ``None`` if it could not be measured.
     """
 
     source: str
@@ -73,6 +76,7 @@ class ZarrRechunkReport:
     arrays: tuple[ArrayLayout, ...]
     seconds: float
     statistics: Mapping[str, int] = field(default_factory=dict)
+    loop_lag: tuple[float, float, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +105,7 @@ class ZarrRechunkReport:
             else "  throughput: n/a",
             f"  sent between workers: {format_bytes(self.statistics.get('bytes_sent', 0))}",
             f"  spilled to disk:      {format_bytes(self.bytes_spilled)}",
+            _lag_text(self.loop_lag),
         ]
         return "\n".join(lines)
 
@@ -286,7 +291,7 @@ class ZarrRechunk:
             raise RechunkInputError(f"{self!r} was executed already")
         self._done = True
         job = self._job
-        with _client(self._client) as client:
+        with _client(self._client) as client, _lag_probe(client) as probe:
             before = cluster_statistics(client)
             start = time.perf_counter()
             try:
@@ -309,7 +314,39 @@ class ZarrRechunk:
             arrays=job.layouts,
             seconds=seconds,
             statistics={k: after.get(k, 0) - before.get(k, 0) for k in after},
+            loop_lag=_lag_of(probe),
         )
+
+
+@contextlib.contextmanager
+def _lag_probe(client: distributed.Client) -> Iterator[Any]:
+    """Event-loop lag of every server while the block runs (``None`` if not measurable)."""
+    from rechunk_p2p.integrations import event_loop_probe
+
+    with contextlib.ExitStack() as stack:
+        try:
+            probe = stack.enter_context(event_loop_probe(client))
+        except Exception as e:  # the lag is a nicety: never fail a rechunk over it
+            warnings.warn(f"cannot measure event-loop lag: {e}", RuntimeWarning, stacklevel=3)
+            probe = None
+        yield probe
+
+
+def _lag_of(probe: Any) -> tuple[float, float, int] | None:
+    report = getattr(probe, "report", None)
+    if report is None:
+        return None
+    return (report.overall.p99_ms, report.overall.max_ms, len(report.workers()))
+
+
+def _lag_text(lag: tuple[float, float, int] | None) -> str:
+    if lag is None:
+        return "  event-loop lag: not measured"
+    p99, worst, workers = lag
+    return (
+        f"  event-loop lag: p99 {p99:.1f} ms, max {worst:.1f} ms "
+        f"(scheduler and {workers} workers)"
+    )
 
 
 def plan_zarr(

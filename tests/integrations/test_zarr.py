@@ -411,3 +411,12 @@ def test_lazy_rechunk_like_rechunker(p2p_client, tmp_path):
         rechunk_zarr(src, tmp_path / "c.zarr", {"time": -1, "lat": 5}, max_mem=0)
     assert not (tmp_path / "c.zarr").exists()
     assert_clean_sync(p2p_client)
+
+
+def test_report_has_the_event_loop_lag(p2p_client, tmp_path):
+    src = tmp_path / "src.zarr"
+    make_climate_group(src, 3)
+    report = rechunk_zarr(src, tmp_path / "t.zarr", {"time": -1, "lat": 5}, progress=False)
+    p99, worst, workers = report.loop_lag
+    assert 0 <= p99 <= worst and workers == 2
+    assert str(report).splitlines()[-1].startswith("  event-loop lag: p99 ")
