@@ -238,7 +238,8 @@ class ZarrRechunk:
     """**Loop-confined** (the caller's thread). A checked :func:`rechunk_zarr` call, not run.
 
     Returned by ``rechunk_zarr(..., compute=False)``, like rechunker's ``Rechunked``:
-    :attr:`plan` says what each array's rechunk will do, :meth:`execute` runs it once.
+    :attr:`plan` says what each array's rechunk will do, :meth:`execute` runs it once, and
+    :meth:`to_dask` hands over the dask graph instead.
     """
 
     def __init__(
@@ -284,12 +285,35 @@ class ZarrRechunk:
         ]
         return table_html(repr(self)[1:-1], rows)
 
-    def execute(self) -> ZarrRechunkReport:
-        """Run the rechunk (once) and return its report. If it fails, the target it created
-        is removed."""
+    def to_dask(self) -> list[da.Array]:
+        """The rechunk as dask arrays, one per array: computing them writes the target.
+
+        Creates the empty target first (as rechunker does when it plans). For when the
+        rechunk is part of a larger graph; :meth:`execute` is the usual way (it also reports
+        and removes the target on failure). Either can be used once.
+        """
+        self._claim()
+        job = self._job
+        try:
+            client = distributed.get_client()
+        except ValueError:
+            client = None
+        storage = self._storage
+        if storage is None and client is not None:
+            storage = _storage_within(self._max_mem, self.plan, client)
+        job.dest.clear()
+        targets = _create_target(job)
+        return store_arrays(job.layouts, targets, storage=storage, limit=self._max_mem)
+
+    def _claim(self) -> None:
         if self._done:
             raise RechunkInputError(f"{self!r} was executed already")
         self._done = True
+
+    def execute(self) -> ZarrRechunkReport:
+        """Run the rechunk (once) and return its report. If it fails, the target it created
+        is removed."""
+        self._claim()
         job = self._job
         with _client(self._client) as client, _lag_probe(client) as probe:
             before = cluster_statistics(client)

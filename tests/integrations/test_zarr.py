@@ -420,3 +420,20 @@ def test_report_has_the_event_loop_lag(p2p_client, tmp_path):
     p99, worst, workers = report.loop_lag
     assert 0 <= p99 <= worst and workers == 2
     assert str(report).splitlines()[-1].startswith("  event-loop lag: p99 ")
+
+
+def test_lazy_rechunk_as_a_dask_graph(p2p_client, tmp_path):
+    """to_dask(): the rechunk as dask arrays that write the target when computed."""
+    import dask
+
+    src = tmp_path / "src.zarr"
+    make_climate_group(src, 3)
+    lazy = rechunk_zarr(src, tmp_path / "g.zarr", {"time": -1, "lat": 5}, compute=False)
+    arrays = lazy.to_dask()
+    assert len(arrays) == len(lazy.plan)
+    assert any(k[0].startswith("rechunk-p2p-out-") for a in arrays for k in a.__dask_graph__()
+               if isinstance(k, tuple))  # fmt: skip
+    dask.compute(*arrays)
+    assert_same_values(arrays_of(src)["temperature"], arrays_of(tmp_path / "g.zarr")["temperature"])
+    with pytest.raises(RechunkInputError, match="executed already"):
+        lazy.execute()
