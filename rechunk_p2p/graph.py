@@ -16,6 +16,7 @@ id of its own, or plain tasks when one output chunk is left.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -122,9 +123,8 @@ class RechunkLayer(Layer):
         return self._graph is not None
 
     def get_output_keys(self) -> set[Any]:
-        grid = tuple(len(c) for c in self.plan.new_chunks)
-        indices = self.keep if self.keep is not None else np.ndindex(grid)
-        return {(self.name, *map(int, index)) for index in indices}
+        indices = self.keep if self.keep is not None else self.get_output_indices()
+        return {(self.name, *index) for index in indices}
 
     def __getitem__(self, key: Any) -> Any:
         return self._dict[key]
@@ -173,8 +173,9 @@ class RechunkLayer(Layer):
 
     def _construct(self) -> dict[Any, Any]:
         dsk: dict[Any, Any] = {}
+        kept = self._kept_by_partial()
         for partial in self.plan.partials:
-            keep = self._kept_in(partial)
+            keep = None if kept is None else frozenset(kept.get(partial.index, ()))
             if keep is not None and not keep:
                 continue
             # culled to one output chunk, a partial is a plain concatenation of its inputs
@@ -184,16 +185,19 @@ class RechunkLayer(Layer):
                 dsk.update(self._direct_tasks(partial, keep))
         return dsk
 
-    def _kept_in(self, partial: Partial) -> frozenset[int] | None:
-        """Flat indices of the partial's outputs to build (``None``: all)."""
+    def _kept_by_partial(self) -> dict[tuple[int, ...], set[int]] | None:
+        """Partial index -> flat indices of its outputs to build (``None``: all), in one pass
+        over the kept outputs (each found by bisecting the partials' offsets per axis)."""
         if self.keep is None:
             return None
-        kept = set()
+        partials = {p.index: p for p in self.plan.partials}
+        ndim = len(self.plan.new_chunks)
+        starts = [sorted({p.new_offset[a] for p in partials.values()}) for a in range(ndim)]
+        kept: dict[tuple[int, ...], set[int]] = {}
         for index in self.keep:
-            local = [i - o for i, o in zip(index, partial.new_offset)]
-            if all(0 <= i < n for i, n in zip(local, partial.new_grid)):
-                kept.add(partial.flat_output(index))
-        return frozenset(kept)
+            group = tuple(bisect.bisect_right(starts[a], i) - 1 for a, i in enumerate(index))
+            kept.setdefault(group, set()).add(partials[group].flat_output(index))
+        return kept
 
     def _shuffle_tasks(self, partial: Partial, keep: frozenset[int] | None) -> dict[Any, Any]:
         shuffle_id = f"{self.token}-{'.'.join(map(str, partial.index))}"
@@ -201,8 +205,9 @@ class RechunkLayer(Layer):
         if keep is not None and len(keep) < partial.n_outputs:
             # a culled sub-shuffle is another shuffle: its own id and transfer keys
             digest = hashlib.sha1(repr(sorted(keep)).encode(), usedforsecurity=False)
-            shuffle_id += "-" + digest.hexdigest()[:12]
-            transfer_name += "-" + digest.hexdigest()[:12]
+            suffix = "-" + digest.hexdigest()[:12]
+            shuffle_id += suffix
+            transfer_name += suffix
         else:
             keep = None
         spec = ShuffleSpec(
