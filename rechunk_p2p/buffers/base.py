@@ -226,3 +226,37 @@ def owned_array(array: np.ndarray) -> np.ndarray:
     if array.flags.c_contiguous and array.flags.writeable:
         return array
     return np.array(array, order="C", copy=True)
+
+
+SMALL_COPY_BYTES = 256 * 2**10
+"""Shards up to this size are placed with the GIL held (see :func:`place_blocking`)."""
+
+
+def place_blocking(out: np.ndarray, where: tuple[slice, ...], shard: np.ndarray) -> None:
+    """Copy ``shard`` into ``out[where]``.
+
+    Where it runs: task threads and the offload pool. numpy releases the GIL for every copy of
+    more than a few hundred elements and must take it back afterwards; with other threads
+    wanting the GIL (the event loops, the data plane), each small copy then waits for a switch
+    interval instead of the microsecond it needs, and assembling an output from a thousand
+    4 KiB shards takes a hundred times longer. A small shard whose destination is one
+    contiguous run of ``out`` (the usual case: a shard spans the output's trailing axes) is
+    therefore copied as a single memory move with the GIL held; anything else is a numpy
+    assignment.
+    """
+    region = out[(*where, Ellipsis)]  # a view, also of a 0-d array
+    if (
+        shard.nbytes <= SMALL_COPY_BYTES
+        and region.flags.c_contiguous
+        and shard.flags.c_contiguous
+        and region.shape == shard.shape
+        and region.dtype == shard.dtype
+        and not region.dtype.hasobject
+        and region.nbytes
+    ):
+        # a memoryview slice assignment is a memcpy that keeps the GIL
+        memoryview(region.reshape(-1).view(np.uint8))[:] = memoryview(
+            shard.reshape(-1).view(np.uint8)
+        )
+    else:
+        region[...] = shard

@@ -35,6 +35,7 @@ from rechunk_p2p.buffers.base import (
     check_shard,
     closed_error,
     owned_array,
+    place_blocking,
 )
 from rechunk_p2p.errors import RechunkStorageError
 
@@ -266,7 +267,7 @@ class DiskShardStore:
         if self._pickled:
             for input_, array in self._read_entries_blocking(fd, entries):
                 if input_ in placement:
-                    out[placement[input_]] = array
+                    place_blocking(out, placement[input_], array)
             return
         targets: list[tuple[int, memoryview]] = []
         staged: list[tuple[np.ndarray, np.ndarray]] = []

@@ -16,6 +16,7 @@ from rechunk_p2p.buffers.base import (
     check_shard,
     closed_error,
     owned_array,
+    place_blocking,
 )
 
 
@@ -106,7 +107,7 @@ class MemoryShardStore:
             self._bytes_buffered -= nbytes
         for input_, array in arrays.items():
             if input_ in placement:
-                out[placement[input_]] = array
+                place_blocking(out, placement[input_], array)
         return list(arrays)
 
     def close_blocking(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rechunk_p2p.buffers.base import Shard, ShardStore
+from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.wire import (
     Packed,
@@ -273,7 +273,7 @@ class WorkerRun:
         out = np.empty(shape, dtype=spec.dtype)
         for input_, array in shards:
             if input_ in placement:
-                out[widen(placement[input_], spec.unknown_axes)] = array
+                place_blocking(out, widen(placement[input_], spec.unknown_axes), array)
         return out, [i for i, _ in shards]
 
     # --- data plane loop ----------------------------------------------------------------------
