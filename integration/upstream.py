@@ -99,6 +99,7 @@ import sys
 import pytest
 
 import rechunk_p2p
+import rechunk_p2p.arrays
 import rechunk_p2p.graph
 
 MODE = os.environ["RECHUNK_P2P_UPSTREAM_MODE"]
@@ -113,7 +114,7 @@ def _counting_build(*args, **kwargs):
 
 
 rechunk_p2p.graph.build_rechunk = _counting_build
-rechunk_p2p.api.build_rechunk = _counting_build
+rechunk_p2p.arrays.build_rechunk = _counting_build
 
 if MODE == "distributed":
     import importlib.util

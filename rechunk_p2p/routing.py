@@ -45,7 +45,7 @@ def _runs_as_p2p(
     chosen = method or dask.config.get("array.rechunk.method", None)
     if chosen is not None:
         return chosen == "p2p"
-    from rechunk_p2p.api import normalize
+    from rechunk_p2p.arrays import normalize
 
     try:
         new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
@@ -68,11 +68,9 @@ def _router(original: Callable[..., Any]) -> Callable[..., Any]:
         method: str | None = None,
     ) -> Any:
         if _runs_as_p2p(x, chunks, threshold, block_size_limit, balance, method):
-            from rechunk_p2p.api import rechunk as engine
+            from rechunk_p2p.arrays import rechunk_array as engine
 
-            return engine(
-                x, chunks, threshold=threshold, block_size_limit=block_size_limit, balance=balance
-            )
+            return engine(x, chunks, block_size_limit=block_size_limit, balance=balance)
         return original(x, chunks, threshold, block_size_limit, balance, method)
 
     rechunk.__doc__ = original.__doc__

@@ -64,7 +64,7 @@ def _worker() -> Any:
 
 
 def _plugin(worker: Any) -> Any:
-    from rechunk_p2p.worker.plugin import plugin_for_task
+    from rechunk_p2p.worker.install import plugin_for_task
 
     return plugin_for_task(worker)
 

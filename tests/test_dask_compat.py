@@ -30,7 +30,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import rechunk_p2p
-import rechunk_p2p.api
+import rechunk_p2p.arrays
 from rechunk_p2p.spec import BARRIER_PREFIX
 from tests.conftest import assert_clean_sync
 
@@ -73,13 +73,13 @@ def engine_calls(p2p_client, monkeypatch):
     Yields the list of arrays the engine was called with.
     """
     calls: list[da.Array] = []
-    engine = rechunk_p2p.api.rechunk
+    engine = rechunk_p2p.arrays.rechunk_array
 
     def spy(x, *args, **kwargs):
         calls.append(x)
         return engine(x, *args, **kwargs)
 
-    monkeypatch.setattr(rechunk_p2p.api, "rechunk", spy)
+    monkeypatch.setattr(rechunk_p2p.arrays, "rechunk_array", spy)
     with rechunk_p2p.installed(), dask.config.set({"array.rechunk.method": "p2p"}):
         # dask's suite bound ``rechunk`` at import time, before the routing was installed.
         # (``dask.array.rechunk`` the attribute is the function; the module is in sys.modules.)
@@ -291,7 +291,7 @@ def _unknown_rows():
 
 
 def _same(a, b) -> bool:
-    return rechunk_p2p.api._same_chunks(a, b)
+    return rechunk_p2p.arrays._same_chunks(a, b)
 
 
 def test_unknown_chunk_sizes(engine_calls):

@@ -5,8 +5,11 @@ data plane nor the shard buffers (they load on the workers, where tasks need the
 from __future__ import annotations
 
 import ast
+import pathlib
 import subprocess
 import sys
+
+import rechunk_p2p
 
 _CLIENT = """
 import sys
@@ -34,3 +37,80 @@ def test_client_side_imports_no_worker_code():
     assert {"rechunk_p2p.api", "rechunk_p2p.graph", "rechunk_p2p.tasks"} <= set(loaded)
     worker_side = [m for m in loaded if m.startswith(("rechunk_p2p.worker", "rechunk_p2p.buffers"))]
     assert not worker_side, worker_side
+
+
+def _imports_of(path: pathlib.Path, module: str, modules: set[str]) -> set[str]:
+    """The package's modules that ``module`` imports anywhere (top level or in functions)."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    typing_only = {  # ``if TYPE_CHECKING:`` imports never run
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [  # ``from package import submodule`` imports the submodule only
+                f"{node.module}.{alias.name}"
+                if f"{node.module}.{alias.name}" in modules
+                else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module and name != "rechunk_p2p":
+                found.add(name)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    root = pathlib.Path(rechunk_p2p.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        paths[name] = path
+    modules = set(paths)
+    return {m: _imports_of(p, m, modules) for m, p in paths.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node], _ = 1, path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node], _ = 2, path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    """Dependencies point one way, lazy (in-function) imports included; a package's
+    ``__init__`` counts as importing what it re-exports, never as imported by its parts."""
+    graph = _import_graph()
+    assert {"rechunk_p2p.api", "rechunk_p2p.arrays", "rechunk_p2p.worker.plugin"} <= set(graph)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -14,14 +14,13 @@ are thread-safe; every method is blocking.
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from rechunk_p2p.errors import RechunkInputError, RechunkRunError, RechunkTypeError
+from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
 
 Shard = tuple[int, int, np.ndarray]
 """``(output index, input index, array)``; flat indices within one sub-shuffle."""
@@ -123,54 +122,6 @@ class ShardStore(Protocol):
     def statistics(self) -> StoreStatistics:
         """Return a snapshot of the store's counters."""
         ...
-
-
-def make_store(
-    kind: StoreKind,
-    *,
-    dtype: np.dtype,
-    directory: str | os.PathLike[str] | None,
-    name: str,
-) -> ShardStore:
-    """Create an empty shard store.
-
-    Parameters
-    ----------
-    kind
-        ``"disk"`` to spill shards to local disk or ``"memory"`` to keep them in memory.
-        ``"auto"`` must be resolved by the caller before this point.
-    dtype
-        The dtype of every shard written to the store.
-    directory
-        For ``"disk"``: the parent directory under which a sub-directory named after
-        ``name`` is created on the first write (``None``: the system temporary directory).
-        Ignored for ``"memory"``.
-    name
-        Names the store in error messages (and its directory); for example the rechunk's
-        id, run id and sub-shuffle.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> store = make_store("memory", dtype=np.dtype("f8"), directory=None, name="doc")
-    >>> store.write_blocking([(0, 1, np.ones(3))])
-    24
-    >>> [(i, a.tolist()) for i, a in store.read_blocking(0)]
-    [(1, [1.0, 1.0, 1.0])]
-    >>> store.close_blocking()
-    """
-    if kind == "memory":
-        from rechunk_p2p.buffers.memory import MemoryShardStore
-
-        return MemoryShardStore(dtype, name)
-    if kind == "disk":
-        from rechunk_p2p.buffers.disk import DiskShardStore
-
-        return DiskShardStore(dtype, directory, name)
-    raise RechunkInputError(
-        f"Unknown shard store kind {kind!r} for store {name!r}; expected one of "
-        f"{STORE_KINDS} (resolve 'auto' before creating the store)."
-    )
 
 
 def closed_error(kind: str, name: str, action: str) -> RechunkRunError:

@@ -5,7 +5,10 @@ Where it runs: pure.
 
 from __future__ import annotations
 
-from rechunk_p2p.diagnostics.loop_stats import LoopLagReport, LoopLagSummary
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: loop_stats imports this module to print itself
+    from rechunk_p2p.diagnostics.loop_stats import LoopLagReport, LoopLagSummary
 
 
 def format_report(report: LoopLagReport) -> str:

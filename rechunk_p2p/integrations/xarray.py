@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 import xarray as xr
 from dask.utils import format_bytes
 
+from rechunk_p2p.arrays import normalize, plan_array, rechunk_array
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
-from rechunk_p2p.integrations import plan_array, rechunk_array
 
 T_Xarray = TypeVar("T_Xarray", xr.Dataset, xr.DataArray)
 
@@ -74,7 +74,8 @@ def rechunk_xarray(
             f"rechunk_xarray needs an xarray Dataset or DataArray, got {type(obj).__name__}"
         )
     by_dim = chunks_by_dimension(obj, chunks)
-    kwargs = {"threshold": threshold, "block_size_limit": block_size_limit, "balance": balance}
+    del threshold  # dask's tasks-rechunk tuning: a P2P shuffle has no intermediate steps
+    kwargs = {"block_size_limit": block_size_limit, "balance": balance}
     coords = {
         name: _rechunk_variable(name, var, by_dim, kwargs)
         for name, var in obj.coords.variables.items()
@@ -185,10 +186,8 @@ def _variable_plan(
     balance: bool,
     n_workers: int | None,
 ) -> Any:
-    from rechunk_p2p import api
-
     try:
-        new = api.normalize(data, axes, block_size_limit=block_size_limit, balance=balance)
+        new = normalize(data, axes, block_size_limit=block_size_limit, balance=balance)
         return plan_array(data, new, n_workers=n_workers)
     except RechunkInputError as e:
         raise _for_variable(e, name, dims) from None

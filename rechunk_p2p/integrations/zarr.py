@@ -25,8 +25,9 @@ import distributed
 import zarr
 from dask.utils import format_bytes, format_time, parse_bytes
 
+from rechunk_p2p.arrays import plan_array, rechunk_array
+from rechunk_p2p.cluster import cluster_statistics
 from rechunk_p2p.errors import ClusterError, RechunkInputError
-from rechunk_p2p.integrations import cluster_statistics, plan_array, rechunk_array
 from rechunk_p2p.integrations.zarr_input import (
     ArrayLayout,
     ZarrRechunkJob,

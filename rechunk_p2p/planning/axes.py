@@ -17,6 +17,9 @@ from typing import NamedTuple
 
 from rechunk_p2p.errors import RechunkInputError
 
+Chunks = tuple[tuple[int, ...], ...]
+"""Chunk sizes per axis, as dask normalises them."""
+
 
 class AxisPiece(NamedTuple):
     """**Immutable.** The intersection of old chunk ``old`` with new chunk ``new`` on one axis.

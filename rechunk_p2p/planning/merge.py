@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import math
 
-from rechunk_p2p.planning.axes import boundaries
-
-Chunks = tuple[tuple[int, ...], ...]
+from rechunk_p2p.planning.axes import Chunks, boundaries
 
 
 def merge_inputs(

@@ -19,9 +19,8 @@ from functools import cached_property
 
 import numpy as np
 
-from rechunk_p2p.planning.axes import AxisPiece, axis_pieces
+from rechunk_p2p.planning.axes import AxisPiece, Chunks, axis_pieces
 
-Chunks = tuple[tuple[int, ...], ...]
 NDIndex = tuple[int, ...]
 
 

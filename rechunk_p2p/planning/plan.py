@@ -14,8 +14,8 @@ import numpy as np
 from dask.utils import format_bytes
 
 from rechunk_p2p.errors import RechunkInputError
-from rechunk_p2p.planning.axes import axis_groups, axis_pieces
-from rechunk_p2p.planning.partials import Chunks, Partial
+from rechunk_p2p.planning.axes import Chunks, axis_groups, axis_pieces
+from rechunk_p2p.planning.partials import Partial
 
 
 def make_partials(old_chunks: Chunks, new_chunks: Chunks) -> tuple[Partial, ...]:

@@ -25,7 +25,7 @@ from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
-from rechunk_p2p.buffers.base import make_store
+from rechunk_p2p.buffers import make_store
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.wire import Packed
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _CLOSED_IDS_KEPT = 10_000
 #: How long a task waits for the plugins to arrive when it installs them itself.
-_INSTALL_TIMEOUT = 60.0
+INSTALL_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             concurrency=config.get("comm.concurrency"),
             ports=config.port_range("dataplane.port"),
         )
-        address = await asyncio.to_thread(self.dataplane.start_blocking)
+        address = await self.offload.to_thread(self.dataplane.start_blocking)
         worker.handlers["rechunk_p2p_inputs_done"] = self._inputs_done
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
@@ -115,7 +115,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         worker.handlers.pop("rechunk_p2p_inputs_done", None)
         worker.stream_handlers.pop("rechunk_p2p_close", None)
         if self.dataplane is not None:
-            await asyncio.to_thread(self.dataplane.stop_blocking)
+            await self.offload.to_thread(self.dataplane.stop_blocking)
         if self.offload is not None:
             self.offload.shutdown(wait=False)
 
@@ -331,7 +331,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         )
         _checked(response)
 
-    def wait_ready_blocking(self, timeout: float = _INSTALL_TIMEOUT) -> None:
+    def wait_ready_blocking(self, timeout: float = INSTALL_TIMEOUT) -> None:
         """Wait until :meth:`setup` finished (a task may find the plugin while it starts)."""
         if not self._ready.wait(timeout):
             raise ClusterError(
@@ -411,46 +411,6 @@ def _checked(response: dict) -> dict:
         assert exc is not None
         raise exc.with_traceback(tb)
     return response
-
-
-def plugin_for_task(worker: Any) -> RechunkWorkerPlugin:
-    """From a task thread: the plugin of ``worker``, installed on the cluster if missing.
-
-    A rechunk computed by a client that never registered the plugins (an asynchronous client,
-    a graph built elsewhere) installs them here, once per cluster: the scheduler plugin, which
-    in turn registers this plugin on every current and future worker.
-    """
-    if PLUGIN_NAME not in worker.plugins:
-        from_thread(worker.loop.asyncio_loop, _install, worker)
-    plugin = get_plugin(worker)
-    plugin.wait_ready_blocking()
-    return plugin
-
-
-async def _install(worker: Any) -> None:
-    """On the worker loop: register the scheduler plugin; wait for the worker plugin."""
-    from rechunk_p2p.scheduler import RechunkSchedulerPlugin
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + _INSTALL_TIMEOUT
-    try:
-        await worker.scheduler.register_scheduler_plugin(
-            plugin=dumps(RechunkSchedulerPlugin()), name=PLUGIN_NAME, idempotent=True
-        )
-    except Exception as e:
-        raise ClusterError(
-            f"Worker {worker.address} could not install rechunk_p2p on the scheduler ({e}); "
-            "call rechunk_p2p.register(client) or start the scheduler with "
-            "--preload rechunk_p2p"
-        ) from e
-    # another worker's request may still be registering the worker plugin everywhere
-    while PLUGIN_NAME not in worker.plugins:
-        if loop.time() > deadline:
-            raise ClusterError(
-                f"The rechunk_p2p worker plugin did not reach {worker.address} within "
-                f"{_INSTALL_TIMEOUT:g} s of installing it"
-            )
-        await asyncio.sleep(0.02)
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rechunk_p2p.buffers.base import make_store, place_blocking
+from rechunk_p2p.buffers import make_store
+from rechunk_p2p.buffers.base import place_blocking
 from rechunk_p2p.errors import RechunkRunError
 
 

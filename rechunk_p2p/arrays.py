@@ -1,0 +1,269 @@
+"""The engine's entry for dask arrays: normalise the chunks as dask does, plan, build.
+
+Where it runs: the client (graph construction). Pure apart from reading the configuration
+and, for ``plan_array``, asking the current client how many workers it has. The public
+:mod:`rechunk_p2p.api` hands dask arrays here and xarray objects to
+:mod:`rechunk_p2p.integrations.xarray`, which comes back here variable by variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.array.core import normalize_chunks
+from dask.array.utils import validate_axis
+from dask.base import tokenize
+from dask.utils import parse_bytes
+
+from rechunk_p2p import config
+from rechunk_p2p.cluster import current_n_workers, ensure_registered
+from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
+from rechunk_p2p.graph import build_rechunk
+from rechunk_p2p.planning import RechunkPlan
+from rechunk_p2p.planning.axes import Chunks
+from rechunk_p2p.planning.merge import merge_inputs
+
+logger = logging.getLogger(__name__)
+
+
+def rechunk_array(
+    x: da.Array,
+    chunks: Any = "auto",
+    *,
+    block_size_limit: int | None = None,
+    balance: bool = False,
+) -> da.Array:
+    """Rechunk the dask array ``x`` with the P2P engine (see :func:`rechunk_p2p.rechunk`)."""
+    new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
+    if _same_chunks(new, x.chunks):
+        return x
+    _require_numpy_chunks(x)
+    storage = _storage_setting()
+    unknown = _unknown_axes(x)
+    the_plan = _make_plan(x, new, block_size_limit, n_workers=1)
+    ensure_registered()
+    token = tokenize(x, new, storage)
+    if the_plan.merged:  # merge thin inputs first (plain tasks)
+        merged = tuple(
+            x.chunks[axis] if axis in unknown else c
+            for axis, c in enumerate(the_plan.old_chunks)
+        )
+        x = x.rechunk(merged, method="tasks")
+    logger.debug("rechunk_p2p: %s -> %s runs on the P2P engine (token %s)", x.name, new, token)
+    if _is_expression(x):  # dask's array query planning
+        from rechunk_p2p.integrations.array_expr import p2p_rechunk_expr
+
+        return p2p_rechunk_expr(x, the_plan, token, storage, new, unknown)
+    return build_rechunk(x, the_plan, token, storage, new_chunks=new, unknown_axes=unknown)
+
+
+
+def plan_array(
+    x: da.Array,
+    chunks: Any = "auto",
+    *,
+    block_size_limit: int | None = None,
+    balance: bool = False,
+    n_workers: int | None = None,
+) -> RechunkPlan:
+    """The plan of rechunking the dask array ``x`` (see :func:`rechunk_p2p.plan`)."""
+    new = normalize(x, chunks, block_size_limit=block_size_limit, balance=balance)
+    _require_numpy_chunks(x)
+    if n_workers is None:
+        n_workers = current_n_workers()
+    return _make_plan(x, new, block_size_limit, n_workers)
+
+
+def _is_expression(x: da.Array) -> bool:
+    """Whether ``x`` is an array of dask's query planning (an expression collection)."""
+    return type(x).__module__.startswith("dask.array._array_expr")
+
+
+def _unknown_axes(x: da.Array) -> tuple[int, ...]:
+    """Axes along which ``x`` has unknown (NaN) chunk sizes."""
+    return tuple(axis for axis, sizes in enumerate(x.chunks) if _has_nan(sizes))
+
+
+def _planned(chunks: Chunks, unknown: tuple[int, ...]) -> Chunks:
+    """``chunks`` as the plan counts them: one element per chunk along ``unknown`` axes.
+
+    Chunks never change along those axes, so each chunk there is its own sub-shuffle and a
+    shard spans it whole (see :func:`rechunk_p2p.spec.widen`).
+    """
+    return tuple((1,) * len(c) if axis in unknown else c for axis, c in enumerate(chunks))
+
+
+def _make_plan(
+    x: da.Array, new: Chunks, block_size_limit: int | None, n_workers: int
+) -> RechunkPlan:
+    """The plan of the shuffle, from ``x``'s chunks merged where thin inputs would make
+    many tiny shards (see :mod:`rechunk_p2p.planning.merge`)."""
+    itemsize = 8 if x.dtype.hasobject else x.dtype.itemsize
+    unknown = _unknown_axes(x)
+    old, new = _planned(x.chunks, unknown), _planned(new, unknown)
+    shape = tuple(sum(c) for c in old)
+    merged = old
+    if math.prod(shape) * itemsize >= config.get_bytes("merge.min-array-bytes"):
+        limit = block_size_limit or parse_bytes(dask.config.get("array.chunk-size"))
+        shard_bytes = config.get_bytes("merge.shard-bytes")
+        merged = merge_inputs(old, new, itemsize, int(limit), shard_bytes)
+    return RechunkPlan(
+        shape,
+        x.dtype,
+        merged,
+        new,
+        n_workers=max(int(n_workers), 1),
+        source_chunks=old,
+        unknown_axes=unknown,
+    )
+
+
+def normalize(
+    x: da.Array, chunks: Any, *, block_size_limit: int | None = None, balance: bool = False
+) -> Chunks:
+    """Normalise ``chunks`` for ``x`` exactly as dask's ``rechunk`` does, checking the input.
+
+    Raises ``TypeError`` for a non-dask array and ``ValueError`` for chunks that do not fit,
+    before anything is built. Along axes of unknown (NaN) chunk sizes the chunks must stay as
+    they are (as in dask); :func:`rechunk` then returns ``x`` itself if nothing changes, and
+    otherwise asks for ``compute_chunk_sizes()``.
+    """
+    if not isinstance(x, da.Array):
+        raise RechunkTypeError(
+            f"rechunk_p2p.rechunk expects a dask array, got {type(x).__module__}."
+            f"{type(x).__qualname__}; wrap it with dask.array.from_array(...) first"
+        )
+    if x.ndim > 0 and all(s == 0 for s in x.shape):
+        return x.chunks
+    chunks = _fill_unspecified(x, chunks)
+    _check_sizes(x, chunks)
+    try:
+        new = normalize_chunks(
+            chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks
+        )
+    except (ValueError, TypeError) as e:
+        raise _input_error(
+            f"Cannot rechunk array {x.name} of shape {x.shape} to {_short(chunks)}: "
+            f"{_cut(str(e), 600)}",
+            e,
+        ) from e
+    if len(new) != x.ndim:
+        raise RechunkInputError(
+            f"Provided chunks are not consistent with shape: {chunks!r} has {len(new)} "
+            f"dimensions, array {x.name} has {x.ndim}"
+        )
+    if balance:
+        from dask.array.rechunk import _balance_chunksizes
+
+        new = tuple(c if _has_nan(c) else _balance_chunksizes(c) for c in new)
+    for axis, (old_axis, new_axis) in enumerate(zip(x.chunks, new)):
+        if _has_nan(old_axis) or _has_nan(new_axis):
+            if not _same_chunks((old_axis,), (new_axis,)):
+                raise RechunkInputError(
+                    f"Cannot rechunk axis {axis} of array {x.name} from {_brief(old_axis)} to "
+                    f"{_brief(new_axis)}: {_UNCHANGING}"
+                )
+        elif sum(old_axis) != sum(new_axis):
+            raise RechunkInputError(
+                f"Chunks {new_axis} along axis {axis} sum to {sum(new_axis)}, "
+                f"but the array has length {sum(old_axis)} there"
+            )
+    return new
+
+
+_UNCHANGING = (  # dask's own message, word for word
+    "Chunks must be unchanging along dimensions with missing values.\n\n"
+    "A possible solution:\n  x.compute_chunk_sizes()"
+)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters for a one-line error message."""
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+def _has_nan(sizes: tuple[float, ...]) -> bool:
+    return any(math.isnan(s) for s in sizes)
+
+
+def _brief(sizes: tuple[float, ...]) -> str:
+    """Chunk sizes along one axis, shortened for an error message."""
+    if len(sizes) <= 6:
+        return str(tuple(sizes))
+    return f"({', '.join(map(str, sizes[:3]))}, ... {len(sizes)} chunks)"
+
+
+def _same_chunks(a: Chunks, b: Chunks) -> bool:
+    """Whether two chunk specifications are equal, NaN (unknown) sizes matching each other."""
+    return len(a) == len(b) and all(
+        len(ca) == len(cb)
+        and all(u == v or (math.isnan(u) and math.isnan(v)) for u, v in zip(ca, cb))
+        for ca, cb in zip(a, b)
+    )
+
+
+def _require_numpy_chunks(x: da.Array) -> None:
+    """Refuse chunk types the shuffle would silently turn into plain numpy arrays."""
+    if type(x._meta) is not np.ndarray:
+        raise RechunkTypeError(
+            f"Array {x.name} has chunks of type {type(x._meta).__module__}."
+            f"{type(x._meta).__qualname__}; the P2P rechunk moves plain numpy arrays only and "
+            "would lose what that type adds (a mask, sparsity, device memory). Rechunk it "
+            "with method='tasks'."
+        )
+
+
+def _fill_unspecified(x: da.Array, chunks: Any) -> Any:
+    """Resolve dict keys to axes and ``None`` entries to the current chunks, as dask does."""
+    if isinstance(chunks, Mapping):
+        try:
+            by_axis = {validate_axis(k, x.ndim): v for k, v in chunks.items()}
+        except (ValueError, TypeError, IndexError) as e:
+            raise _input_error(
+                f"Invalid chunks {dict(chunks)!r} for an array of {x.ndim} dimensions: {e}", e
+            ) from e
+        return tuple(x.chunks[i] if by_axis.get(i) is None else by_axis[i] for i in range(x.ndim))
+    if isinstance(chunks, (tuple, list)):
+        return tuple(rc if lc is None else lc for lc, rc in zip(chunks, x.chunks))
+    return chunks
+
+
+def _check_sizes(x: da.Array, chunks: Any) -> None:
+    """A chunk size (one number per axis) must be positive, -1 or ``"auto"`` (dask itself
+    fails on zero with a bare ZeroDivisionError, and on negatives with a puzzling message)."""
+    per_axis = chunks if isinstance(chunks, tuple) else (chunks,) * x.ndim
+    for axis, (size, length) in enumerate(zip(per_axis, x.shape)):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            continue
+        if size == -1 or size > 0 or (size == 0 and length == 0):
+            continue
+        raise RechunkInputError(
+            f"Chunk size {int(size)} along axis {axis} (length {length}) is not a positive "
+            "size, -1 (the whole axis) or 'auto'"
+        )
+
+
+def _input_error(message: str, cause: Exception) -> RechunkInputError | RechunkTypeError:
+    """The error for bad chunks: a ``TypeError`` from dask stays one (as in dask's rechunk)."""
+    if isinstance(cause, TypeError):
+        return RechunkTypeError(message)
+    return RechunkInputError(message)
+
+
+def _storage_setting() -> str:
+    storage = config.get("storage")
+    if storage not in config.STORAGE_CHOICES:
+        raise RechunkInputError(
+            f"rechunk-p2p.storage is {storage!r}; choose one of {config.STORAGE_CHOICES}"
+        )
+    return storage

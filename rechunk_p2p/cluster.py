@@ -1,0 +1,90 @@
+"""Reaching the cluster from the client: plugin registration and engine statistics.
+
+Where it runs: the client (the caller's thread); ``cluster_statistics`` runs one small
+function on each worker through ``client.run``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rechunk_p2p.errors import ClusterError
+
+
+def default_client() -> Any:
+    """The current distributed client, or ``None`` (no client, or distributed not installed)."""
+    try:
+        from distributed import default_client
+
+        return default_client()
+    except (ImportError, ValueError):
+        return None
+
+
+def current_n_workers() -> int:
+    """Workers of the current (synchronous) client; 1 without one."""
+    client = default_client()
+    if client is None or client.asynchronous:
+        return 1
+    try:
+        return max(len(client.scheduler_info(n_workers=-1)["workers"]), 1)
+    except Exception:
+        return 1
+
+
+def ensure_registered() -> None:
+    """Register the plugins on the current synchronous client's cluster, if there is one."""
+    client = default_client()
+    if client is not None and not client.asynchronous:
+        register(client)
+
+
+_registered: set[str] = set()
+
+
+def register(client: Any) -> Any:
+    """Register rechunk_p2p's scheduler and worker plugins on ``client``'s cluster.
+
+    Idempotent; workers that join later get the worker plugin too. :func:`rechunk` calls it
+    for the default client. For an asynchronous client, await the result.
+
+    Raises
+    ------
+    ClusterError
+        The scheduler cannot be reached.
+    """
+    from rechunk_p2p.scheduler import RechunkSchedulerPlugin
+
+    key = f"{client.id}@{client.scheduler.address}"
+    if key in _registered and not client.asynchronous:
+        return None
+    try:
+        result = client.register_plugin(RechunkSchedulerPlugin())
+    except OSError as e:
+        raise ClusterError(f"Cannot reach the scheduler at {client.scheduler.address}: {e}") from e
+    if client.asynchronous:
+        return result
+    _registered.add(key)
+    return None
+
+
+def cluster_statistics(client: Any) -> dict[str, int]:
+    """Totals over every worker since it started: runs, bytes sent, received and spilled."""
+
+    def _totals(dask_worker: Any) -> dict[str, int]:  # runs on each worker
+        from rechunk_p2p.worker.plugin import get_plugin
+
+        try:
+            totals = get_plugin(dask_worker).totals()
+        except ClusterError:
+            return {}
+        return {
+            "runs": totals.runs,
+            "bytes_sent": totals.bytes_sent,
+            "bytes_received": totals.bytes_received,
+            "bytes_spilled": totals.bytes_spilled,
+        }
+
+    per_worker = client.run(_totals)
+    keys = ("runs", "bytes_sent", "bytes_received", "bytes_spilled")
+    return {k: sum(t.get(k, 0) for t in per_worker.values()) for k in keys}
