@@ -26,7 +26,7 @@ from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
 from rechunk_p2p.planning import RechunkPlan
-from rechunk_p2p.planning.axes import Chunks
+from rechunk_p2p.planning.axes import Chunks, element_bytes
 from rechunk_p2p.planning.merge import merge_inputs
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def rechunk_array(
     if _same_chunks(new, x.chunks):
         return x
     _require_numpy_chunks(x)
-    storage = _storage_setting()
+    storage = config.storage()
     unknown = _unknown_axes(x)
     the_plan = _make_plan(x, new, block_size_limit, n_workers=1)
     ensure_registered()
@@ -104,7 +104,7 @@ def _make_plan(
 ) -> RechunkPlan:
     """The plan of the shuffle, from ``x``'s chunks merged where thin inputs would make
     many tiny shards (see :mod:`rechunk_p2p.planning.merge`)."""
-    itemsize = 8 if x.dtype.hasobject else x.dtype.itemsize
+    itemsize = element_bytes(x.dtype)
     unknown = _unknown_axes(x)
     old, new = _planned(x.chunks, unknown), _planned(new, unknown)
     shape = tuple(sum(c) for c in old)
@@ -258,12 +258,3 @@ def _input_error(message: str, cause: Exception) -> RechunkInputError | RechunkT
     if isinstance(cause, TypeError):
         return RechunkTypeError(message)
     return RechunkInputError(message)
-
-
-def _storage_setting() -> str:
-    storage = config.get("storage")
-    if storage not in config.STORAGE_CHOICES:
-        raise RechunkInputError(
-            f"rechunk-p2p.storage is {storage!r}; choose one of {config.STORAGE_CHOICES}"
-        )
-    return storage

@@ -25,6 +25,17 @@ dask.config.update_defaults(_DEFAULTS)
 STORAGE_CHOICES = ("disk", "memory", "auto")
 
 
+def storage(value: str | None = None) -> str:
+    """``value`` (default: the ``rechunk-p2p.storage`` setting), checked against the choices."""
+    chosen = get("storage") if value is None else value
+    if chosen not in STORAGE_CHOICES:
+        source = "rechunk-p2p.storage" if value is None else "storage"
+        raise RechunkInputError(
+            f"{source} is {chosen!r}; choose one of {', '.join(STORAGE_CHOICES)}"
+        )
+    return chosen
+
+
 def get(key: str) -> Any:
     """Return the setting ``rechunk-p2p.<key>``.
 

@@ -73,7 +73,7 @@ class ShardStore(Protocol):
         """Store shards; return the payload bytes accepted.
 
         A shard whose ``(output, input)`` pair is already stored (or was stored and then
-        read with ``discard=True``) is dropped and counted as a duplicate, so retried
+        read) is dropped and counted as a duplicate, so retried
         deliveries never duplicate data. The batch is validated before anything is stored.
 
         Raises
@@ -87,12 +87,11 @@ class ShardStore(Protocol):
         """
         ...
 
-    def read_blocking(self, output: int, *, discard: bool = True) -> list[tuple[int, np.ndarray]]:
+    def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Return the ``(input index, array)`` pairs of one output, sorted by input index.
 
         Arrays have the dtype and shape they were written with and are C-contiguous and
-        writeable; ``[]`` if the output has no data. With ``discard=True`` the output's data
-        is freed after reading.
+        writeable; ``[]`` if the output has no data. The output's data is freed after reading.
 
         Raises
         ------

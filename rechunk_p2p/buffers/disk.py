@@ -201,13 +201,13 @@ class DiskShardStore:
 
     # -- reading -----------------------------------------------------------------------
 
-    def read_blocking(self, output: int, *, discard: bool = True) -> list[tuple[int, np.ndarray]]:
+    def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Read one output's shards back from disk, sorted by input index.
 
         See :meth:`rechunk_p2p.buffers.base.ShardStore.read_blocking`. Each array is read
         straight into its own freshly allocated buffer.
         """
-        result = self._read_output_blocking(output, discard, self._read_entries_blocking)
+        result = self._read_output_blocking(output, self._read_entries_blocking)
         result.sort(key=lambda pair: pair[0])
         return result
 
@@ -225,23 +225,22 @@ class DiskShardStore:
             self._read_into_entries_blocking(fd, entries, out, placement)
             return [e[2] for e in entries]
 
-        return self._read_output_blocking(output, True, read)
+        return self._read_output_blocking(output, read)
 
     def _read_output_blocking(
-        self, output: int, discard: bool, read: Callable[[int, list[_Entry]], _T]
+        self, output: int, read: Callable[[int, list[_Entry]], _T]
     ) -> _T | list:
         """Take one output's index entries under the lock, then ``read(fd, entries)``
         outside it, counting the bytes and translating I/O errors."""
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
-            entries = self._index.pop(output, None) if discard else self._index.get(output)
+            entries = self._index.pop(output, None)
             if not entries:
                 return []
             entries = list(entries)
             nbytes = sum(e[1] for e in entries)
-            if discard:
-                self._bytes_buffered -= nbytes
+            self._bytes_buffered -= nbytes
             self._inflight += 1
             fd = self._fd
         assert fd is not None  # entries exist only after the file was written

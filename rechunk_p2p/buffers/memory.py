@@ -76,7 +76,7 @@ class MemoryShardStore:
             self._bytes_buffered += accepted
         return accepted
 
-    def read_blocking(self, output: int, *, discard: bool = True) -> list[tuple[int, np.ndarray]]:
+    def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Return the ``(input index, array)`` pairs of one output, sorted by input index.
 
         See :meth:`rechunk_p2p.buffers.base.ShardStore.read_blocking`.
@@ -84,11 +84,10 @@ class MemoryShardStore:
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
-            arrays = self._data.pop(output, {}) if discard else dict(self._data.get(output, {}))
+            arrays = self._data.pop(output, {})
             nbytes = sum(a.nbytes for a in arrays.values())
             self._bytes_read += nbytes
-            if discard:
-                self._bytes_buffered -= nbytes
+            self._bytes_buffered -= nbytes
         return [(input_, owned_array(arrays[input_])) for input_ in sorted(arrays)]
 
     def read_into_blocking(

@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 #: Points kept per timeline in the report (the probe keeps up to ``max-samples``).
 DEFAULT_TIMELINE_POINTS = 2000
-#: Used when ``rechunk-p2p.monitor.max-samples`` is absent from ``dask.config``.
-DEFAULT_MAX_SAMPLES = 200_000
 
 
 def measure_event_loops(
@@ -102,7 +100,7 @@ def measure_event_loops(
     if not interval_s > 0:
         raise RechunkInputError(f"measure_event_loops: interval must be positive, got {interval!r}")
     if max_samples is None:
-        max_samples = _max_samples_setting()
+        max_samples = int(config.get("monitor.max-samples"))
     if max_samples < 2 or timeline_points < 2:
         raise RechunkInputError("measure_event_loops: max_samples and timeline_points must be >= 2")
     stack_threshold_s = (
@@ -111,14 +109,6 @@ def measure_event_loops(
     return LoopLagMonitor(
         client, interval_s, include_scheduler, max_samples, timeline_points, stack_threshold_s
     )
-
-
-def _max_samples_setting() -> int:
-    try:
-        return int(config.get("monitor.max-samples"))
-    except KeyError:
-        # dask.config was reset without our defaults (e.g. by distributed's test harness).
-        return DEFAULT_MAX_SAMPLES
 
 
 class LoopLagMonitor:

@@ -76,7 +76,8 @@ def check_zarr_rechunk(
     if fmt == 2:  # arrays copied from sharded format 3 sources lose their shards
         layouts = tuple(replace(lay, shards=None) for lay in layouts)
     options = _check_array_options(array_options)
-    _check_storage(storage)
+    if storage is not None:
+        config.storage(storage)
     dest = _Target.of(target, root, overwrite=overwrite, storage_options=storage_options)
     return ZarrRechunkJob(root, layouts, fmt, options, dest)
 
@@ -385,13 +386,6 @@ def _check_array_options(array_options: Mapping[str, Any] | None) -> dict[str, A
             f"array_options {unknown} are not supported; choose from {sorted(ARRAY_OPTIONS)}"
         )
     return options
-
-
-def _check_storage(storage: str | None) -> None:
-    if storage is not None and storage not in config.STORAGE_CHOICES:
-        raise RechunkInputError(
-            f"storage must be one of {', '.join(config.STORAGE_CHOICES)}, not {storage!r}"
-        )
 
 
 def _is_url(path: Any) -> bool:

@@ -15,10 +15,21 @@ import bisect
 import itertools
 from typing import NamedTuple
 
+import numpy as np
+
 from rechunk_p2p.errors import RechunkInputError
 
 Chunks = tuple[tuple[int, ...], ...]
 """Chunk sizes per axis, as dask normalises them."""
+
+
+def element_bytes(dtype: np.dtype) -> int:
+    """Bytes one element counts for in plans: a pointer's 8 for objects, at least 1.
+
+    >>> element_bytes(np.dtype("f4")), element_bytes(np.dtype("O")), element_bytes(np.dtype("V0"))
+    (4, 8, 1)
+    """
+    return 8 if dtype.hasobject else max(dtype.itemsize, 1)
 
 
 class AxisPiece(NamedTuple):

@@ -14,7 +14,7 @@ import numpy as np
 from dask.utils import format_bytes
 
 from rechunk_p2p.errors import RechunkInputError
-from rechunk_p2p.planning.axes import Chunks, axis_groups, axis_pieces
+from rechunk_p2p.planning.axes import Chunks, axis_groups, axis_pieces, element_bytes
 from rechunk_p2p.planning.partials import Partial
 
 
@@ -118,7 +118,7 @@ class RechunkPlan:
 
     @property
     def itemsize(self) -> int:
-        return 8 if self.dtype.kind == "O" else max(self.dtype.itemsize, 1)
+        return element_bytes(self.dtype)
 
     @property
     def nbytes(self) -> int:

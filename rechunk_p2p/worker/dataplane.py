@@ -31,6 +31,12 @@ ReceiveFn = Callable[[str, int, list[Packed]], Awaitable[None]]
 SHARDS_OP = "rechunk_p2p_shards"
 
 
+#: Outgoing connections a data plane keeps open at once (idle ones are reused per peer). Sends
+#: in flight are bounded by ``rechunk-p2p.comm.concurrency``; this bounds the file descriptors
+#: kept for a cluster of many workers, as distributed's own pool does.
+_OPEN_CONNECTIONS = 512
+
+
 class DataPlane:
     """**Thread-safe (guarded by its loop).** Listener, connection pool and send limits of one
     worker's shard traffic, all on a dedicated event loop.
@@ -104,7 +110,7 @@ class DataPlane:
                 f"{self._ports.start}-{self._ports.stop - 1} (rechunk-p2p.dataplane.port): {error}"
             )
         self._pool = ConnectionPool(
-            limit=512, connection_args=self._security.get_connection_args("worker")
+            limit=_OPEN_CONNECTIONS, connection_args=self._security.get_connection_args("worker")
         )
         await self._pool.start()
         self.concurrency = asyncio.Semaphore(self._concurrency_n)

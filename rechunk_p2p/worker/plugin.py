@@ -37,6 +37,8 @@ from rechunk_p2p.worker.run import RunStatistics, WorkerRun
 
 logger = logging.getLogger(__name__)
 
+#: Closed run ids remembered (oldest forgotten first): enough for every rechunk a long-lived
+#: worker has in flight or may still hear stale messages about; ~1 MB at most.
 _CLOSED_IDS_KEPT = 10_000
 #: How long a task waits for the plugins to arrive when it installs them itself.
 INSTALL_TIMEOUT = 60.0
