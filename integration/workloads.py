@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import dask.array as da
@@ -222,20 +221,12 @@ def checked(y: da.Array, w: Workload) -> da.Array:
 # -- implementations ----------------------------------------------------------------------
 
 
-def _engine() -> Callable[[da.Array, tuple[int, ...]], da.Array]:
-    standin = os.environ.get("RECHUNK_P2P_STANDIN")
-    if standin:
-        # Development aid only: exercise the suite against one of dask's methods.
-        return lambda x, chunks: x.rechunk(chunks, method=standin)
-    import rechunk_p2p
-
-    return rechunk_p2p.rechunk
-
-
 def rechunk_with(implementation: str, x: da.Array, chunks: tuple[int, ...]) -> da.Array:
     """Rechunk ``x`` with one of :data:`IMPLEMENTATIONS`."""
     if implementation == "rechunk_p2p":
-        return _engine()(x, chunks)
+        import rechunk_p2p
+
+        return rechunk_p2p.rechunk(x, chunks)
     if implementation == "dask-p2p":
         return x.rechunk(chunks, method="p2p")
     if implementation == "dask-tasks":

@@ -11,8 +11,9 @@ import dask.array as da
 import numpy as np
 
 import rechunk_p2p
+from rechunk_p2p.spec import PLUGIN_NAME
 
-PLUGIN = "rechunk-p2p"
+PLUGIN = PLUGIN_NAME
 ONE = [("127.0.0.1", 1)]
 TWO = ONE * 2
 THREE = ONE * 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import dask.array as da
@@ -42,12 +43,16 @@ async def test_preloaded_scheduler_in_process(c, s, a, b):
 
 def _start(module: str, *args: str, env: dict[str, str]) -> subprocess.Popen:
     """``python -m distributed.cli.<module> ...``: what ``dask scheduler``/``dask worker`` run."""
-    return subprocess.Popen(
+    # a file, not a pipe (a full pipe would block a chatty process); _stop closes it
+    log = tempfile.TemporaryFile()  # noqa: SIM115
+    process = subprocess.Popen(
         [sys.executable, "-m", f"distributed.cli.{module}", *args],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
     )
+    process.log = log  # type: ignore[attr-defined]
+    return process
 
 
 def _stop(process: subprocess.Popen) -> str:
@@ -59,7 +64,9 @@ def _stop(process: subprocess.Popen) -> str:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    return process.stderr.read().decode(errors="replace")[-3000:] if process.stderr else ""
+    with process.log:  # type: ignore[attr-defined]
+        process.log.seek(0)  # type: ignore[attr-defined]
+        return process.log.read().decode(errors="replace")[-3000:]  # type: ignore[attr-defined]
 
 
 @pytest.fixture

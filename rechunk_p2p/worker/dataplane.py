@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -98,6 +99,8 @@ class DataPlane:
         listen_args = self._security.get_listen_args("worker")
         error: OSError | None = None
         for port in self._ports:
+            if port and (error := _bind_error(host, port)) is not None:
+                continue  # taken (tornado would leak its socket on this failure)
             self._listener = listen(f"{scheme}://{host}:{port}", self._handle_comm, **listen_args)
             try:
                 await self._listener.start()
@@ -172,3 +175,16 @@ class DataPlane:
         except Exception as e:
             return error_message(e)
         return {"status": "OK"}
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why ``port`` on ``host`` cannot be bound now (as the listener would), or ``None``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
