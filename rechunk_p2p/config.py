@@ -7,7 +7,7 @@ module and are merged into ``dask.config`` on import, without overriding user se
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import dask.config
 import yaml
@@ -22,10 +22,11 @@ with open(_FN) as f:
 
 dask.config.update_defaults(_DEFAULTS)
 
-STORAGE_CHOICES = ("disk", "memory", "auto")
+Storage = Literal["disk", "memory", "auto"]
+STORAGE_CHOICES: tuple[Storage, ...] = ("disk", "memory", "auto")
 
 
-def storage(value: str | None = None) -> str:
+def storage(value: str | None = None) -> Storage:
     """``value`` (default: the ``rechunk-p2p.storage`` setting), checked against the choices."""
     chosen = get("storage") if value is None else value
     if chosen not in STORAGE_CHOICES:
@@ -33,7 +34,7 @@ def storage(value: str | None = None) -> str:
         raise RechunkInputError(
             f"{source} is {chosen!r}; choose one of {', '.join(STORAGE_CHOICES)}"
         )
-    return chosen
+    return chosen  # type: ignore[return-value]  (checked against the choices above)
 
 
 def get(key: str) -> Any:

@@ -31,6 +31,7 @@ from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.spec import (
     OUTPUT_PREFIX,
     TRANSFER_PREFIX,
+    ShuffleId,
     ShuffleSpec,
     barrier_key,
     widen,
@@ -211,7 +212,7 @@ class RechunkLayer(Layer):
         else:
             keep = None
         spec = ShuffleSpec(
-            id=shuffle_id,
+            shuffle_id=ShuffleId(shuffle_id),
             partial=partial,
             dtype=self.plan.dtype,
             storage=self.storage,

@@ -20,7 +20,9 @@ from rechunk_p2p.errors import ClusterError, StaleRunError
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
+    RunId,
     RunSpec,
+    ShuffleId,
     ShuffleSpec,
     barrier_key,
     id_from_key,
@@ -44,8 +46,8 @@ class SchedulerRun:
     restricted: dict[Any, Any] = field(default_factory=dict)
 
     @property
-    def id(self) -> str:
-        return self.run_spec.id
+    def shuffle_id(self) -> ShuffleId:
+        return self.run_spec.shuffle_id
 
     @property
     def workers(self) -> set[str]:
@@ -101,7 +103,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
 
     # --- handlers -------------------------------------------------------------------------
 
-    def get_or_create(self, shuffle_id: str, worker: str) -> dict:
+    def get_or_create(self, shuffle_id: ShuffleId, worker: str) -> dict:
         """The current run of ``shuffle_id``, created on first request."""
         try:
             run = self.active.get(shuffle_id) or self._create(shuffle_id)
@@ -110,13 +112,13 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         run.participants.add(worker)
         return {"status": "OK", "run_spec": ToPickle(run.run_spec)}
 
-    def _create(self, shuffle_id: str) -> SchedulerRun:
+    def _create(self, shuffle_id: ShuffleId) -> SchedulerRun:
         spec = self._spec(shuffle_id)
         workers = self._eligible_workers(shuffle_id)
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         run_spec = RunSpec(
             spec=spec,
-            run_id=next(self._run_ids),
+            run_id=RunId(next(self._run_ids)),
             workers=tuple(workers),
             dataplanes=tuple(dataplanes[w] for w in workers),
             shift=next(self._shifts) % len(workers),
@@ -130,7 +132,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         )
         return run
 
-    def _spec(self, shuffle_id: str) -> ShuffleSpec:
+    def _spec(self, shuffle_id: ShuffleId) -> ShuffleSpec:
         ts = self.scheduler.tasks.get(barrier_key(shuffle_id))
         spec = getattr(getattr(ts, "run_spec", None), "spec", None)
         if not isinstance(spec, ShuffleSpec):
@@ -146,7 +148,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             )
         return spec
 
-    def _eligible_workers(self, shuffle_id: str) -> list[str]:
+    def _eligible_workers(self, shuffle_id: ShuffleId) -> list[str]:
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         workers = [
             addr
@@ -182,7 +184,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.scheduler.set_restrictions(originals)
         run.restricted.clear()
 
-    async def barrier(self, shuffle_id: str, run_ids: list[int]) -> dict:
+    async def barrier(self, shuffle_id: ShuffleId, run_ids: list[RunId]) -> dict:
         """Every input of the run was cut: make every participant flush its sends.
 
         ``run_ids`` are the transfers' results in the order of the spec's inputs. Transfers
@@ -219,7 +221,9 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 return error_message(result)  # the worker's error, with its own type
         return {"status": "OK", "run_id": current}
 
-    def _rerun_stale(self, shuffle_id: str, run: SchedulerRun | None, stale: list[int]) -> None:
+    def _rerun_stale(
+        self, shuffle_id: ShuffleId, run: SchedulerRun | None, stale: list[int]
+    ) -> None:
         """Release the barrier and the stale transfers, which then run (again) for the
         current run; with no run active, restart the whole sub-shuffle."""
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
@@ -242,7 +246,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.scheduler.transitions(recs, stimulus_id=stimulus_id)
         self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
-    def restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> dict:
+    def restrict(self, shuffle_id: ShuffleId, run_id: RunId, key: Any, worker: str) -> dict:
         """Pin one unpack task to ``worker`` (used when it first ran elsewhere)."""
         run = self.active.get(shuffle_id)
         if run is None or run.run_spec.run_id != run_id:
@@ -267,7 +271,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         if shuffle_id is not None and shuffle_id in self.active:
             self._close(shuffle_id, reason=f"barrier {finish}")
 
-    def _close(self, shuffle_id: str, reason: str) -> SchedulerRun:
+    def _close(self, shuffle_id: ShuffleId, reason: str) -> SchedulerRun:
         run = self.active.pop(shuffle_id)
         self._unpin_outputs(run)
         msg = {
@@ -297,7 +301,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 self._close(shuffle_id, reason=f"worker {worker} left")
                 self._restart(shuffle_id, stimulus_id)
 
-    def _restart(self, shuffle_id: str, stimulus_id: str) -> None:
+    def _restart(self, shuffle_id: ShuffleId, stimulus_id: str) -> None:
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
         if barrier is None:
             return

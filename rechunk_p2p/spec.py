@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NewType
 
 import numpy as np
 
+from rechunk_p2p.config import Storage
 from rechunk_p2p.planning import Partial, assign_worker
 
 #: Key prefixes of the engine's tasks, all different from distributed's own P2P keys
@@ -25,13 +27,18 @@ OUTPUT_PREFIX = "rechunk-p2p-out-"
 
 Slices = tuple[slice, ...]
 
+ShuffleId = NewType("ShuffleId", str)
+"""One sub-shuffle of one rechunk: ``<token>-<partial index>`` (plus a digest when culled)."""
+RunId = NewType("RunId", int)
+"""One attempt to run a sub-shuffle; increases with every restart (scheduler-wide)."""
+
 #: Name of the scheduler plugin and of the worker plugin.
 PLUGIN_NAME = "rechunk-p2p"
 #: Scheduler metadata key under which each worker publishes its data-plane address.
 METADATA_KEY = "rechunk-p2p-dataplane"
 
 
-def barrier_key(shuffle_id: str) -> str:
+def barrier_key(shuffle_id: ShuffleId) -> str:
     """The key of the barrier task of one sub-shuffle."""
     return BARRIER_PREFIX + shuffle_id
 
@@ -63,7 +70,7 @@ class ShuffleSpec:
 
     Parameters
     ----------
-    id
+    shuffle_id
         Unique id (``<token>-<partial index>``, plus a digest of ``keep`` when culled).
     partial
         The partial: its input and output chunks (one element per chunk along
@@ -81,10 +88,10 @@ class ShuffleSpec:
         Axes of unknown (NaN) chunk sizes; chunks are unchanged along them.
     """
 
-    id: str
+    shuffle_id: ShuffleId
     partial: Partial
     dtype: np.dtype
-    storage: str
+    storage: Storage
     output_name: str
     keep: frozenset[int] | None = None
     unknown_axes: tuple[int, ...] = ()
@@ -143,14 +150,14 @@ class RunSpec:
     """
 
     spec: ShuffleSpec
-    run_id: int
+    run_id: RunId
     workers: tuple[str, ...]
     dataplanes: tuple[str, ...]
     shift: int
 
     @property
-    def id(self) -> str:
-        return self.spec.id
+    def shuffle_id(self) -> ShuffleId:
+        return self.spec.shuffle_id
 
     def worker_position(self, flat: int) -> int:
         spec = self.spec

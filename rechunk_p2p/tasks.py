@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from rechunk_p2p.errors import RechunkRunError
-from rechunk_p2p.spec import ShuffleSpec, widen
+from rechunk_p2p.spec import RunId, ShuffleId, ShuffleSpec, widen
 
 Placements = tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]
 
@@ -72,8 +72,9 @@ def _plugin(worker: Any) -> Any:
 def _gather_local(spec: ShuffleSpec | None, parts: tuple[Any, ...]) -> LocalShuffle:
     if spec is None or not all(isinstance(p, LocalInput) for p in parts):
         raise RechunkRunError(
-            f"The barrier of rechunk {spec.id if spec else '?'} got a mix of local inputs and "
-            "run ids: compute the whole rechunk either on a distributed cluster or without one"
+            f"The barrier of rechunk {spec.shuffle_id if spec else '?'} got a mix of local "
+            "inputs and run ids: compute the whole rechunk either on a distributed cluster or "
+            "without one"
         )
     inputs: list[Any] = [None] * spec.partial.n_inputs
     for part in parts:
@@ -81,7 +82,7 @@ def _gather_local(spec: ShuffleSpec | None, parts: tuple[Any, ...]) -> LocalShuf
     return LocalShuffle(spec, tuple(inputs))
 
 
-def transfer(data: np.ndarray, shuffle_id: str, flat: int) -> int | LocalInput:
+def transfer(data: np.ndarray, shuffle_id: ShuffleId, flat: int) -> int | LocalInput:
     """Cut input chunk ``flat`` into shards and send each to the worker of its output chunk.
 
     Returns the run id, which the barrier checks for consistency (without distributed
@@ -94,7 +95,7 @@ def transfer(data: np.ndarray, shuffle_id: str, flat: int) -> int | LocalInput:
 
 
 def barrier(
-    shuffle_id: str, *run_ids: int | LocalInput, spec: ShuffleSpec | None = None
+    shuffle_id: ShuffleId, *run_ids: int | LocalInput, spec: ShuffleSpec | None = None
 ) -> int | LocalShuffle:
     """Wait until every worker delivered every shard of the run; return its run id.
 
@@ -107,7 +108,7 @@ def barrier(
 
 
 def unpack(
-    shuffle_id: str, flat: int, run_id: int | LocalShuffle, key: object = None
+    shuffle_id: ShuffleId, flat: int, run_id: RunId | LocalShuffle, key: object = None
 ) -> np.ndarray:
     """Assemble output chunk ``flat`` from the shards buffered on this worker.
 

@@ -8,6 +8,7 @@ sends.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 from collections import defaultdict, deque
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
-from rechunk_p2p.errors import RechunkCommError, StaleRunError
+from rechunk_p2p.errors import RechunkCommError, RechunkRunError, StaleRunError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,22 @@ class RetryPolicy:
         """Exponential backoff with jitter for the given (1-based) attempt."""
         base = min(self.delay_min * 2 ** (attempt - 1), self.delay_max)
         return base * (0.5 + random.random() / 2)
+
+
+class SendPhase(enum.Enum):
+    """Where a :class:`CommBuffer` is. Changed only by ``CommBuffer._set_phase``, along
+    :data:`_NEXT_PHASE`: a failed buffer stays failed until closed; closed is final."""
+
+    SENDING = "sending"
+    FAILED = "failed"  # a send failed for good: ``put`` and ``flush`` raise its error
+    CLOSED = "closed"  # the run ended: sends stopped, queues dropped
+
+
+_NEXT_PHASE: dict[SendPhase, frozenset[SendPhase]] = {
+    SendPhase.SENDING: frozenset({SendPhase.FAILED, SendPhase.CLOSED}),
+    SendPhase.FAILED: frozenset({SendPhase.CLOSED}),
+    SendPhase.CLOSED: frozenset({SendPhase.CLOSED}),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +108,8 @@ class CommBuffer:
         self._drainers: dict[str, asyncio.Task[None]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._exception: BaseException | None = None
-        self._closed = False
+        self._phase = SendPhase.SENDING
+        self._exception: BaseException | None = None  # set with FAILED
         self._bytes_queued = 0
         self._bytes_sent = 0
         self._messages = 0
@@ -104,17 +121,28 @@ class CommBuffer:
             self._raise_if_unusable()
             nbytes = packed.nbytes
             await self._limiter.acquire(nbytes)
-            if self._closed:
+            if self._phase is not SendPhase.SENDING:
                 await self._limiter.release(nbytes)
                 self._raise_if_unusable()
             self._queues[address].append((packed, nbytes))
             self._bytes_queued += nbytes
             self._ensure_drainer(address)
 
+    @property
+    def phase(self) -> SendPhase:
+        return self._phase
+
+    def _set_phase(self, phase: SendPhase, error: BaseException | None = None) -> None:
+        if phase not in _NEXT_PHASE[self._phase]:
+            raise RechunkRunError(f"{self._name}: send buffer cannot go {self._phase} -> {phase}")
+        if phase is SendPhase.FAILED:
+            self._exception = error
+        self._phase = phase
+
     def _raise_if_unusable(self) -> None:
         if self._exception is not None:
             raise self._exception
-        if self._closed:
+        if self._phase is SendPhase.CLOSED:
             raise StaleRunError(f"{self._name}: the run was closed; its sends are dropped")
 
     def _ensure_drainer(self, address: str) -> None:
@@ -125,7 +153,7 @@ class CommBuffer:
     async def _drain(self, address: str) -> None:
         queue = self._queues[address]
         try:
-            while queue and self._exception is None and not self._closed:
+            while queue and self._phase is SendPhase.SENDING:
                 batch, nbytes = self._take_batch(queue)
                 try:
                     async with self._concurrency:
@@ -136,11 +164,11 @@ class CommBuffer:
                     self._bytes_queued -= nbytes
                     await self._limiter.release(nbytes)
         except Exception as e:
-            if self._exception is None:
-                self._exception = e
+            if self._phase is SendPhase.SENDING:
+                self._set_phase(SendPhase.FAILED, e)
         finally:
             del self._drainers[address]
-            if self._exception is not None or self._closed:
+            if self._phase is not SendPhase.SENDING:
                 await self._drop(queue)
             if not self._drainers:
                 self._idle.set()
@@ -172,7 +200,7 @@ class CommBuffer:
             except OSError as e:
                 attempt += 1
                 delay = self._retry.delay(attempt)
-                if self._closed:
+                if self._phase is SendPhase.CLOSED:
                     raise
                 if attempt > self._retry.count or loop.time() + delay >= deadline:
                     raise self._undeliverable(address, f"{type(e).__name__}: {e}") from e
@@ -196,7 +224,7 @@ class CommBuffer:
 
     async def close(self) -> None:
         """Stop sending, drop what is queued and give its bytes back to the limiter."""
-        self._closed = True
+        self._set_phase(SendPhase.CLOSED)
         for task in list(self._drainers.values()):
             task.cancel()
         await asyncio.gather(*self._drainers.values(), return_exceptions=True)

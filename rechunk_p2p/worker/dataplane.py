@@ -25,6 +25,7 @@ from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.offload import LoopThread, from_thread
+from rechunk_p2p.spec import RunId, ShuffleId
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,9 @@ class DataPlane:
         if self._pool is not None:
             await self._pool.close()
 
-    async def send(self, address: str, shuffle_id: str, run_id: int, batch: list[Packed]) -> None:
+    async def send(
+        self, address: str, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]
+    ) -> None:
         """Deliver one batch of packed shards to the data plane at ``address``; await its ack.
 
         Each :class:`Packed` travels as a small header and one frame, so the cost on this loop

@@ -31,7 +31,7 @@ from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread
-from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunSpec
+from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunId, RunSpec, ShuffleId
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import RunStatistics, WorkerRun
 
@@ -123,7 +123,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     # --- runs -----------------------------------------------------------------------------
 
-    def get_run_blocking(self, shuffle_id: str) -> WorkerRun:
+    def get_run_blocking(self, shuffle_id: ShuffleId) -> WorkerRun:
         """From a task thread: the open run of ``shuffle_id``, fetched once from the scheduler."""
         with self._lock:
             run = self.runs.get(shuffle_id)
@@ -131,7 +131,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             return run
         return from_thread(self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id)
 
-    async def _fetch_run(self, shuffle_id: str, min_run_id: int = 0) -> WorkerRun:
+    async def _fetch_run(self, shuffle_id: ShuffleId, min_run_id: RunId = 0) -> WorkerRun:
         """On the worker loop: ask the scheduler for the current run (deduplicated)."""
         with self._lock:
             run = self.runs.get(shuffle_id)
@@ -144,7 +144,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             )
         return await asyncio.shield(self._fetching[shuffle_id])
 
-    async def _fetch(self, shuffle_id: str) -> WorkerRun:
+    async def _fetch(self, shuffle_id: ShuffleId) -> WorkerRun:
         response = await self.worker.scheduler.rechunk_p2p_get_or_create(
             shuffle_id=shuffle_id, worker=self.worker.address
         )
@@ -178,9 +178,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
             storage,
             dtype=run_spec.spec.dtype,
             directory=directory,
-            name=f"{run_spec.id}-run{run_spec.run_id}",
+            name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
         )
-        shuffle_id, run_id, dataplane = run_spec.id, run_spec.run_id, self.dataplane
+        shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 
         async def send(address: str, batch: list[Packed]) -> None:
             await dataplane.send(address, shuffle_id, run_id, batch)
@@ -220,15 +220,15 @@ class RechunkWorkerPlugin(WorkerPlugin):
         as it leaves :attr:`runs`, so :meth:`totals` never misses a closing run."""
         stats = run.statistics()
         with self._lock:
-            if self.runs.get(run.id) is run:
-                del self.runs[run.id]
+            if self.runs.get(run.shuffle_id) is run:
+                del self.runs[run.shuffle_id]
                 self._closed_totals = self._closed_totals.plus(stats)
         if await run.close():
             _tuning.release()
 
     # --- handlers -------------------------------------------------------------------------
 
-    async def receive(self, shuffle_id: str, run_id: int, batch: list[Packed]) -> None:
+    async def receive(self, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]) -> None:
         """On the data plane loop: store shards that another worker sent."""
         with self._lock:
             run = self.runs.get(shuffle_id)
@@ -243,7 +243,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             )
         await run.receive(batch)
 
-    async def _inputs_done(self, shuffle_id: str, run_id: int) -> dict:
+    async def _inputs_done(self, shuffle_id: ShuffleId, run_id: RunId) -> dict:
         """The barrier: every input was cut; flush this worker's sends.
 
         A failure to deliver is replied as the pickled error (the scheduler passes it on to
@@ -255,7 +255,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             return {"status": "OK", "error": dumps(e)}
         return {"status": "OK"}
 
-    async def _flush(self, shuffle_id: str, run_id: int) -> None:
+    async def _flush(self, shuffle_id: ShuffleId, run_id: RunId) -> None:
         with self._lock:
             run = self.runs.get(shuffle_id)
         if run is None:
@@ -267,7 +267,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             )
         await run.flush()
 
-    def _close_handler(self, shuffle_id: str, run_id: int, reason: str = "") -> None:
+    def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:
             run = self.runs.get(shuffle_id)
             closed = self._closed_run_ids.pop(shuffle_id, 0)
@@ -282,13 +282,13 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     # --- task threads ---------------------------------------------------------------------
 
-    def transfer_blocking(self, shuffle_id: str, flat: int, data: Any) -> int:
+    def transfer_blocking(self, shuffle_id: ShuffleId, flat: int, data: Any) -> int:
         """From a transfer task: cut input ``flat`` into shards and send them; its run id."""
         run = self.get_run_blocking(shuffle_id)
         run.add_input_blocking(flat, data)
         return run.run_id
 
-    def barrier_blocking(self, shuffle_id: str, run_ids: tuple[int, ...]) -> int:
+    def barrier_blocking(self, shuffle_id: ShuffleId, run_ids: tuple[RunId, ...]) -> int:
         """From the barrier task: make every worker flush its sends; the run id.
 
         ``run_ids`` are the transfers' results, in the order of the spec's inputs. When some
@@ -304,13 +304,13 @@ class RechunkWorkerPlugin(WorkerPlugin):
             raise Reschedule()
         return response["run_id"]
 
-    async def _barrier(self, shuffle_id: str, run_ids: list[int]) -> dict:
+    async def _barrier(self, shuffle_id: ShuffleId, run_ids: list[RunId]) -> dict:
         response = await self.worker.scheduler.rechunk_p2p_barrier(
             shuffle_id=shuffle_id, run_ids=run_ids
         )
         return _checked(response)
 
-    def unpack_blocking(self, shuffle_id: str, flat: int, run_id: int, key: Any) -> Any:
+    def unpack_blocking(self, shuffle_id: ShuffleId, flat: int, run_id: RunId, key: Any) -> Any:
         """From an unpack task: output ``flat`` of run ``run_id``, assembled from its shards.
 
         A task that runs on the wrong worker is pinned to the right one and rescheduled; a
@@ -327,7 +327,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             raise Reschedule()
         return run.get_output_blocking(flat)
 
-    async def _restrict(self, shuffle_id: str, run_id: int, key: Any, worker: str) -> None:
+    async def _restrict(self, shuffle_id: ShuffleId, run_id: RunId, key: Any, worker: str) -> None:
         response = await self.worker.scheduler.rechunk_p2p_restrict(
             shuffle_id=shuffle_id, run_id=run_id, key=ToPickle(key), worker=worker
         )

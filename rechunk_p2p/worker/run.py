@@ -26,7 +26,7 @@ from rechunk_p2p.buffers.wire import (
 )
 from rechunk_p2p.errors import RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
-from rechunk_p2p.spec import RunSpec, widen
+from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, widen
 from rechunk_p2p.worker.dataplane import DataPlane
 
 
@@ -50,8 +50,8 @@ _NEXT: dict[RunPhase, frozenset[RunPhase]] = {
 class RunStatistics:
     """**Immutable.** What one run did on one worker."""
 
-    id: str
-    run_id: int
+    shuffle_id: ShuffleId
+    run_id: RunId
     phase: str
     storage: str
     inputs: int
@@ -110,11 +110,11 @@ class WorkerRun:
 
     def __repr__(self) -> str:
         phase = self.phase.value
-        return f"<WorkerRun {self.id} run {self.run_id} {phase} on {self.worker_address}>"
+        return f"<WorkerRun {self.shuffle_id} run {self.run_id} {phase} on {self.worker_address}>"
 
     @property
-    def id(self) -> str:
-        return self.run_spec.id
+    def shuffle_id(self) -> ShuffleId:
+        return self.run_spec.shuffle_id
 
     @property
     def run_id(self) -> int:
@@ -156,7 +156,7 @@ class WorkerRun:
             if a not in spec.unknown_axes
         ):
             raise RechunkRunError(
-                f"Input chunk {partial.input_index(flat)} of rechunk {self.id} has shape "
+                f"Input chunk {partial.input_index(flat)} of rechunk {self.shuffle_id} has shape "
                 f"{data.shape}, expected {expected}"
             )
         local, remote = self._cut_blocking(flat, data)
@@ -251,7 +251,7 @@ class WorkerRun:
         if len(received) != len(placement) or set(received) != set(placement):
             missing = sorted(set(placement) - set(received))
             raise RechunkRunError(
-                f"Output chunk {partial.output_index(flat)} of rechunk {self.id} "
+                f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
                 f"(run {self.run_id}) on {self.worker_address} is missing shards from "
                 f"input chunks {[partial.input_index(i) for i in missing][:10]}"
             )
@@ -317,7 +317,7 @@ class WorkerRun:
         comm: CommStatistics = self._comm.statistics()
         with self._lock:
             return RunStatistics(
-                id=self.id,
+                shuffle_id=self.shuffle_id,
                 run_id=self.run_id,
                 phase=self._phase.value,
                 storage=self.storage,
