@@ -18,8 +18,11 @@ from typing import Any
 
 
 class GcPauses:
-    """**Loop-confined.** Counters of one probe (updated by the process's GC callback,
-    which runs with the GIL held, so no lock is needed for these integer/float updates).
+    """**Thread-safe (guarded by the GIL and the collector).** Counters of one probe.
+
+    Written only by the process's GC callback, in whichever thread triggered the collection
+    (the collector runs one collection at a time, with the GIL held), and read by the probe on
+    its loop; each update is a single attribute store, so a reader sees every field whole.
     """
 
     __slots__ = ("collections", "full_collections", "max_ms", "total_ms")
@@ -40,7 +43,10 @@ class GcPauses:
 
 
 class _GcTimer:
-    """**Loop-confined.** The one ``gc.callbacks`` entry of the process, fanning out to probes."""
+    """**Thread-safe (guarded by the GIL and the collector).** The one ``gc.callbacks`` entry of
+    the process, fanning out to probes: called in any thread that triggers a collection, never
+    twice at once; ``listeners`` is changed by probes on their loop (list appends/removes are
+    atomic under the GIL)."""
 
     def __init__(self) -> None:
         self.listeners: list[GcPauses] = []

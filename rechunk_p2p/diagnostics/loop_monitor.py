@@ -112,8 +112,10 @@ def measure_event_loops(
 
 
 class LoopLagMonitor:
-    """**Loop-confined.** One measurement window; used from the thread (or, with an
-    asynchronous client, the event loop) that opened it.
+    """**Confined to its opener.** One measurement window, used from the thread (or, with an
+    asynchronous client, the event loop) that opened it; with a synchronous client its
+    coroutines run on the client's loop through ``client.sync``, one at a time, while the
+    opener waits, so no two threads touch it at once.
 
     Created by :func:`measure_event_loops`. ``report`` is ``None`` until the window closes.
     """

@@ -40,8 +40,12 @@ _OPEN_CONNECTIONS = 512
 
 
 class DataPlane:
-    """**Thread-safe (guarded by its loop).** Listener, connection pool and send limits of one
-    worker's shard traffic, all on a dedicated event loop.
+    """**Loop-confined** (its own loop), with blocking lifecycle methods for other threads.
+    Listener, connection pool and send limits of one worker's shard traffic.
+
+    ``start_blocking`` and ``stop_blocking`` are called from any thread but the data plane's
+    loop (they hop onto it and wait); every other method and attribute belongs to the data
+    plane's loop (``address`` is written once, before ``start_blocking`` returns).
 
     Parameters
     ----------
@@ -76,8 +80,8 @@ class DataPlane:
         self._receive = receive
         self._thread = LoopThread(f"rechunk-p2p-dataplane-{worker_address}")
         self.limiter = ByteLimiter(buffer_bytes)
-        self._concurrency_n = concurrency
-        self.concurrency: asyncio.Semaphore | None = None
+        self._sends_in_flight = concurrency
+        self.send_slots: asyncio.Semaphore | None = None  # made on the loop, in _start
         self.address: str | None = None
         self._listener: Any = None
         self._pool: ConnectionPool | None = None
@@ -117,7 +121,7 @@ class DataPlane:
             limit=_OPEN_CONNECTIONS, connection_args=self._security.get_connection_args("worker")
         )
         await self._pool.start()
-        self.concurrency = asyncio.Semaphore(self._concurrency_n)
+        self.send_slots = asyncio.Semaphore(self._sends_in_flight)
         self.address = self._listener.contact_address
         return self.address
 

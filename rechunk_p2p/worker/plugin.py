@@ -64,10 +64,18 @@ class WorkerTotals:
 
 
 class RechunkWorkerPlugin(WorkerPlugin):
-    """**Thread-safe (guarded by `_lock`).** rechunk_p2p's state on one worker.
+    """rechunk_p2p's state on one worker; mixed, labelled per attribute.
 
     Registered by :func:`rechunk_p2p.register` (or the scheduler plugin) under the name
-    ``"rechunk-p2p"``; reach it from a task with :func:`get_plugin`.
+    ``"rechunk-p2p"``; reach it from a task with :func:`get_plugin`. Used from the worker's
+    loop (RPC and stream handlers, setup), the data plane's loop (``receive``) and task
+    threads (``*_blocking``):
+
+    - ``runs``, ``_closed_totals``, ``_closed_run_ids``: **thread-safe (guarded by `_lock`)**;
+    - ``_fetching``, ``_background``: **loop-confined** (the worker's loop);
+    - ``worker``, ``dataplane``, ``offload``: written once in :meth:`setup`, on the worker's
+      loop, before ``_ready`` is set; read-only afterwards (tasks wait for ``_ready``);
+    - ``_ready``: a ``threading.Event`` (thread-safe).
     """
 
     name = PLUGIN_NAME
@@ -75,14 +83,14 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.runs: dict[str, WorkerRun] = {}
+        self.runs: dict[ShuffleId, WorkerRun] = {}
         self.worker: Any = None
         self.dataplane: DataPlane | None = None
         self.offload: OffloadPool | None = None
-        self._fetching: dict[str, asyncio.Future[WorkerRun]] = {}
+        self._fetching: dict[ShuffleId, asyncio.Future[WorkerRun]] = {}
         self._closed_totals = WorkerTotals(0, 0, 0, 0)
         # highest run id the scheduler closed, per shuffle id (bounded, oldest dropped first)
-        self._closed_run_ids: OrderedDict[str, int] = OrderedDict()
+        self._closed_run_ids: OrderedDict[ShuffleId, RunId] = OrderedDict()
         self._background: set[asyncio.Future[None]] = set()
         self._ready = threading.Event()
 
@@ -188,7 +196,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         comm = CommBuffer(
             send,
             dataplane.limiter,
-            dataplane.concurrency,  # type: ignore[arg-type]
+            dataplane.send_slots,  # type: ignore[arg-type]
             message_bytes=config.get_bytes("comm.message-bytes-limit"),
             retry=RetryPolicy(
                 config.get("comm.retry-count"),
