@@ -62,6 +62,61 @@ class StoreStatistics:
     outputs: int
 
 
+class ShardLedger:
+    """**Guarded by the owning store's lock** (not thread-safe on its own). The bookkeeping
+    both stores share: which ``(output, input)`` pairs were stored, and the byte counters.
+    """
+
+    __slots__ = ("_seen", "bytes_buffered", "bytes_read", "bytes_written", "duplicates", "shards")
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, int]] = set()
+        self.shards = 0
+        self.duplicates = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.bytes_buffered = 0
+
+    def admit(self, output: int, input_: int) -> bool:
+        """Whether the pair is new (and is now taken); a pair seen before counts a duplicate."""
+        key = (output, input_)
+        if key in self._seen:
+            self.duplicates += 1
+            return False
+        self._seen.add(key)
+        return True
+
+    def forget(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Give admitted pairs back (their write failed; a retry may store them)."""
+        self._seen.difference_update(pairs)
+
+    def stored(self, shards: int, nbytes: int) -> None:
+        self.shards += shards
+        self.bytes_written += nbytes
+        self.bytes_buffered += nbytes
+
+    def read(self, nbytes: int) -> None:
+        """``nbytes`` were read and discarded."""
+        self.bytes_read += nbytes
+        self.bytes_buffered -= nbytes
+
+    def clear(self) -> None:
+        """The store closed: nothing is held any more (the counters of the past stay)."""
+        self._seen.clear()
+        self.bytes_buffered = 0
+
+    def statistics(self, kind: str, outputs: int) -> StoreStatistics:
+        return StoreStatistics(
+            kind=kind,
+            shards=self.shards,
+            duplicates=self.duplicates,
+            bytes_written=self.bytes_written,
+            bytes_read=self.bytes_read,
+            bytes_buffered=self.bytes_buffered,
+            outputs=outputs,
+        )
+
+
 @runtime_checkable
 class ShardStore(Protocol):
     """The interface shared by :class:`MemoryShardStore` and :class:`DiskShardStore`.

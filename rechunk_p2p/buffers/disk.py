@@ -31,6 +31,7 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import (
     Shard,
+    ShardLedger,
     StoreStatistics,
     check_shard,
     closed_error,
@@ -102,12 +103,7 @@ class DiskShardStore:
         self._inflight = 0
         self._end = 0
         self._index: dict[int, list[_Entry]] = {}
-        self._seen: set[tuple[int, int]] = set()
-        self._shards = 0
-        self._duplicates = 0
-        self._bytes_written = 0
-        self._bytes_read = 0
-        self._bytes_buffered = 0
+        self._ledger = ShardLedger()
         self._fd: int | None = None
         self._path: str | None = None
         self._finalizer: weakref.finalize | None = None
@@ -134,14 +130,7 @@ class DiskShardStore:
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write shards")
-            accepted = []
-            for item in encoded:
-                key = (item[0], item[1])
-                if key in self._seen:
-                    self._duplicates += 1
-                    continue
-                self._seen.add(key)
-                accepted.append(item)
+            accepted = [item for item in encoded if self._ledger.admit(item[0], item[1])]
             total = sum(view.nbytes for *_, view in accepted)
             if not accepted:
                 return 0
@@ -158,15 +147,13 @@ class DiskShardStore:
             pwritev_all(fd, [view for *_, view in accepted], start)
         except OSError as exc:
             with self._lock:
-                self._seen.difference_update((o, i) for o, i, *_ in accepted)
+                self._ledger.forget((o, i) for o, i, *_ in accepted)
                 self._release_locked()
             raise self._storage_error(exc, f"write {total} bytes of shards") from exc
         with self._lock:
             for output, entry in entries:
                 self._index.setdefault(output, []).append(entry)
-            self._shards += len(entries)
-            self._bytes_written += total
-            self._bytes_buffered += total
+            self._ledger.stored(len(entries), total)
             self._release_locked()
         return total
 
@@ -240,7 +227,7 @@ class DiskShardStore:
                 return []
             entries = list(entries)
             nbytes = sum(e[1] for e in entries)
-            self._bytes_buffered -= nbytes
+            self._ledger.bytes_buffered -= nbytes  # discarded now; counted read once read
             self._inflight += 1
             fd = self._fd
         assert fd is not None  # entries exist only after the file was written
@@ -252,7 +239,7 @@ class DiskShardStore:
             action = f"read {nbytes} bytes of output {output}"
             raise self._storage_error(exc, action, _READ_ADVICE) from exc
         with self._lock:
-            self._bytes_read += nbytes
+            self._ledger.bytes_read += nbytes
             self._release_locked()
         return result
 
@@ -333,8 +320,7 @@ class DiskShardStore:
             while self._inflight:
                 self._idle.wait()
             self._index.clear()
-            self._seen.clear()
-            self._bytes_buffered = 0
+            self._ledger.clear()
         if not first:
             self._close_done.wait()
             return
@@ -350,15 +336,7 @@ class DiskShardStore:
     def statistics(self) -> StoreStatistics:
         """Return a snapshot of the store's counters."""
         with self._lock:
-            return StoreStatistics(
-                kind=self.kind,
-                shards=self._shards,
-                duplicates=self._duplicates,
-                bytes_written=self._bytes_written,
-                bytes_read=self._bytes_read,
-                bytes_buffered=self._bytes_buffered,
-                outputs=len(self._index),
-            )
+            return self._ledger.statistics(self.kind, outputs=len(self._index))
 
     def _storage_error(self, exc: OSError, action: str, advice: str = "") -> RechunkStorageError:
         """Translate an ``OSError`` into an actionable :class:`RechunkStorageError`."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import (
     Shard,
+    ShardLedger,
     StoreStatistics,
     check_shard,
     closed_error,
@@ -43,12 +44,7 @@ class MemoryShardStore:
         self._lock = threading.Lock()
         self._closed = False
         self._data: dict[int, dict[int, np.ndarray]] = {}
-        self._seen: set[tuple[int, int]] = set()
-        self._shards = 0
-        self._duplicates = 0
-        self._bytes_written = 0
-        self._bytes_read = 0
-        self._bytes_buffered = 0
+        self._ledger = ShardLedger()
 
     def __repr__(self) -> str:
         return f"<MemoryShardStore {self.name!r} dtype={self.dtype}>"
@@ -63,17 +59,13 @@ class MemoryShardStore:
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write shards")
+            shards = 0
             for output, input_, array in batch:
-                key = (output, input_)
-                if key in self._seen:
-                    self._duplicates += 1
-                    continue
-                self._seen.add(key)
-                self._data.setdefault(output, {})[input_] = array
-                accepted += array.nbytes
-                self._shards += 1
-            self._bytes_written += accepted
-            self._bytes_buffered += accepted
+                if self._ledger.admit(output, input_):
+                    self._data.setdefault(output, {})[input_] = array
+                    accepted += array.nbytes
+                    shards += 1
+            self._ledger.stored(shards, accepted)
         return accepted
 
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
@@ -85,9 +77,7 @@ class MemoryShardStore:
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
             arrays = self._data.pop(output, {})
-            nbytes = sum(a.nbytes for a in arrays.values())
-            self._bytes_read += nbytes
-            self._bytes_buffered -= nbytes
+            self._ledger.read(sum(a.nbytes for a in arrays.values()))
         return [(input_, owned_array(arrays[input_])) for input_ in sorted(arrays)]
 
     def read_into_blocking(
@@ -101,9 +91,7 @@ class MemoryShardStore:
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
             arrays = self._data.pop(output, {})
-            nbytes = sum(a.nbytes for a in arrays.values())
-            self._bytes_read += nbytes
-            self._bytes_buffered -= nbytes
+            self._ledger.read(sum(a.nbytes for a in arrays.values()))
         for input_, array in arrays.items():
             if input_ in placement:
                 place_blocking(out, placement[input_], array)
@@ -114,18 +102,9 @@ class MemoryShardStore:
         with self._lock:
             self._closed = True
             self._data.clear()
-            self._seen.clear()
-            self._bytes_buffered = 0
+            self._ledger.clear()
 
     def statistics(self) -> StoreStatistics:
         """Return a snapshot of the store's counters."""
         with self._lock:
-            return StoreStatistics(
-                kind=self.kind,
-                shards=self._shards,
-                duplicates=self._duplicates,
-                bytes_written=self._bytes_written,
-                bytes_read=self._bytes_read,
-                bytes_buffered=self._bytes_buffered,
-                outputs=len(self._data),
-            )
+            return self._ledger.statistics(self.kind, outputs=len(self._data))
