@@ -199,7 +199,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         if run is None or stale:
             self._rerun_stale(shuffle_id, run, stale)
             return {"status": "OK", "restarted": True}
-        msg = {"op": "rechunk_p2p_inputs_done", "shuffle_id": shuffle_id, "run_id": current}
+        msg = {"op": "rechunk_p2p_worker_barrier", "shuffle_id": shuffle_id, "run_id": current}
         targets = [w for w in run.participants if w in self.scheduler.workers]
         results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
         for worker, result in results.items():

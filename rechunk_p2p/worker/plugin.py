@@ -1,6 +1,6 @@
 """The worker plugin: runs of this worker, RPC handlers, and the hooks tasks call into.
 
-Where it runs: ``setup``/``teardown`` and the handlers (``_inputs_done``, ``_close``,
+Where it runs: ``setup``/``teardown`` and the handlers (``_worker_barrier``, ``_close``,
 ``_fetch_run``) on the worker's event loop; ``receive`` on the data plane's loop;
 ``get_run_blocking``/``barrier_blocking``/``restrict_blocking`` in task threads (one hop to the
 worker's loop each, and only when the run is not known here yet).
@@ -111,7 +111,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             ports=config.port_range("dataplane.port"),
         )
         address = await self.offload.to_thread(self.dataplane.start_blocking)
-        worker.handlers["rechunk_p2p_inputs_done"] = self._inputs_done
+        worker.handlers["rechunk_p2p_worker_barrier"] = self._worker_barrier
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
         self._ready.set()
@@ -122,7 +122,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             runs = list(self.runs.values())
         await asyncio.gather(*(self._close_run(run) for run in runs), return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
-        worker.handlers.pop("rechunk_p2p_inputs_done", None)
+        worker.handlers.pop("rechunk_p2p_worker_barrier", None)
         worker.stream_handlers.pop("rechunk_p2p_close", None)
         if self.dataplane is not None:
             await self.offload.to_thread(self.dataplane.stop_blocking)
@@ -251,19 +251,19 @@ class RechunkWorkerPlugin(WorkerPlugin):
             )
         await run.receive(batch)
 
-    async def _inputs_done(self, shuffle_id: ShuffleId, run_id: RunId) -> dict:
-        """The barrier: every input was cut; flush this worker's sends.
+    async def _worker_barrier(self, shuffle_id: ShuffleId, run_id: RunId) -> dict:
+        """This worker's part of the barrier: every input was cut; deliver what it sends.
 
         A failure to deliver is replied as the pickled error (the scheduler passes it on to
         the barrier task unopened, so it reaches the user with its own type).
         """
         try:
-            await self._flush(shuffle_id, run_id)
+            await self._pass_barrier(shuffle_id, run_id)
         except RechunkP2PError as e:
             return {"status": "OK", "error": dumps(e)}
         return {"status": "OK"}
 
-    async def _flush(self, shuffle_id: ShuffleId, run_id: RunId) -> None:
+    async def _pass_barrier(self, shuffle_id: ShuffleId, run_id: RunId) -> None:
         with self._lock:
             run = self.runs.get(shuffle_id)
         if run is None:
@@ -273,7 +273,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 f"Barrier of run {run_id} of rechunk {shuffle_id} reached "
                 f"{self.worker.address}, which runs run {run.run_id}"
             )
-        await run.flush()
+        await run.pass_barrier()
 
     def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:

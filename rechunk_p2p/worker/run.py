@@ -35,13 +35,13 @@ class RunPhase(enum.Enum):
     :data:`_NEXT` (a run is closed once, from either phase, and stays closed)."""
 
     TRANSFERRING = "transferring"
-    INPUTS_DONE = "inputs-done"
+    BARRIER_PASSED = "barrier-passed"
     CLOSED = "closed"
 
 
 _NEXT: dict[RunPhase, frozenset[RunPhase]] = {
-    RunPhase.TRANSFERRING: frozenset({RunPhase.INPUTS_DONE, RunPhase.CLOSED}),
-    RunPhase.INPUTS_DONE: frozenset({RunPhase.INPUTS_DONE, RunPhase.CLOSED}),
+    RunPhase.TRANSFERRING: frozenset({RunPhase.BARRIER_PASSED, RunPhase.CLOSED}),
+    RunPhase.BARRIER_PASSED: frozenset({RunPhase.BARRIER_PASSED, RunPhase.CLOSED}),
     RunPhase.CLOSED: frozenset(),
 }
 
@@ -293,11 +293,11 @@ class WorkerRun:
 
     # --- worker loop --------------------------------------------------------------------------
 
-    async def flush(self) -> None:
-        """All inputs were transferred: wait until this worker's sends were delivered."""
+    async def pass_barrier(self) -> None:
+        """The barrier: all inputs were transferred; wait until this worker's sends arrived."""
         self._raise_if_closed()
         await on_loop(self._dataplane.loop, self._comm.flush)
-        self._set_phase(RunPhase.INPUTS_DONE)
+        self._set_phase(RunPhase.BARRIER_PASSED)
 
     async def close(self) -> bool:
         """Stop sending, free buffered shards and remove spill files.
