@@ -121,6 +121,7 @@ def _make_plan(
         n_workers=max(int(n_workers), 1),
         source_chunks=old,
         unknown_axes=unknown,
+        send_buffer_bytes=config.get_optional_bytes("comm.run-buffer-bytes"),
     )
 
 

@@ -58,6 +58,17 @@ def get_bytes(key: str) -> int:
     return int(parse_bytes(get(key)))
 
 
+def get_optional_bytes(key: str) -> int | None:
+    """The setting ``rechunk-p2p.<key>`` as a positive number of bytes, or ``None`` if unset."""
+    value = get(key)
+    if value is None:
+        return None
+    nbytes = int(parse_bytes(value))
+    if nbytes <= 0:
+        raise RechunkInputError(f"rechunk-p2p.{key} is {value!r}; give a positive size or null")
+    return nbytes
+
+
 def get_seconds(key: str) -> float:
     """Return the setting ``rechunk-p2p.<key>`` as a number of seconds."""
     return float(parse_timedelta(get(key)))

@@ -219,6 +219,7 @@ class RechunkLayer(Layer):
             output_name=self.name,
             keep=keep,
             unknown_axes=self.unknown_axes,
+            send_buffer_bytes=self.plan.send_buffer_bytes,
         )
         dsk: dict[Any, Any] = {}
         transfers = []

@@ -86,6 +86,10 @@ class ShuffleSpec:
         ``None`` for all of them. Inputs that touch none of them are not transferred.
     unknown_axes
         Axes of unknown (NaN) chunk sizes; chunks are unchanged along them.
+    send_buffer_bytes
+        Bytes of this sub-shuffle's shards a worker may hold queued for sending (a memory
+        budget such as ``rechunk_zarr``'s ``max_mem``), on top of the worker's own
+        ``comm.buffer-bytes-limit``; ``None``: that limit alone.
     """
 
     shuffle_id: ShuffleId
@@ -95,6 +99,7 @@ class ShuffleSpec:
     output_name: str
     keep: frozenset[int] | None = None
     unknown_axes: tuple[int, ...] = ()
+    send_buffer_bytes: int | None = None
 
     def output_key(self, flat: int) -> tuple:
         """The key of the unpack task of output ``flat``."""

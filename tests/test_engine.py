@@ -47,6 +47,25 @@ async def test_three_workers_3d(c, s, a, b, w3, storage):
     await _check(c, s, [a, b, w3], x, (12, 3, 4))
 
 
+@gen_cluster(
+    client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.comm.run-buffer-bytes": "16KiB"}
+)
+async def test_a_run_budget_bounds_each_workers_send_queue(c, s, a, b, storage):
+    """``comm.run-buffer-bytes`` rides in the graph and bounds what a worker holds queued."""
+    from rechunk_p2p.spec import PLUGIN_NAME
+
+    x = da.random.default_rng(2).random((400, 400), chunks=(10, 400))  # 32 KB inputs
+    y = await _check(c, s, [a, b], x, (400, 10))
+    specs = [
+        t.kwargs["spec"] for t in dict(y.__dask_graph__()).values()
+        if getattr(t, "kwargs", None) and "spec" in t.kwargs
+    ]
+    assert specs and {spec.send_buffer_bytes for spec in specs} == {16 * 2**10}
+    totals = [w.plugins[PLUGIN_NAME].totals() for w in (a, b)]
+    assert all(t.bytes_sent > 0 for t in totals)
+    assert all(0 < t.max_bytes_queued <= 16 * 2**10 for t in totals), totals
+
+
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storage, monkeypatch):
     """Deliver every batch, then fail as if the ack was lost: the retry delivers it again."""

@@ -67,6 +67,7 @@ class CommStatistics:
     messages: int
     retries: int
     bytes_queued: int
+    max_bytes_queued: int = 0
 
 
 class CommBuffer:
@@ -87,6 +88,9 @@ class CommBuffer:
         Retry policy for transient errors, and the deadline of a batch's delivery.
     name
         Names the run and the sending worker in errors.
+    run_limiter
+        This run's own byte limit (its share of a memory budget), acquired before
+        ``limiter``; ``None``: the worker's limit alone.
     """
 
     def __init__(
@@ -97,10 +101,11 @@ class CommBuffer:
         message_bytes: int,
         retry: RetryPolicy,
         name: str = "rechunk_p2p",
+        run_limiter: ByteLimiter | None = None,
     ) -> None:
         self._name = name
         self._send = send
-        self._limiter = limiter
+        self._limiters = (limiter,) if run_limiter is None else (run_limiter, limiter)
         self._concurrency = concurrency
         self._message_bytes = message_bytes
         self._retry = retry
@@ -111,6 +116,7 @@ class CommBuffer:
         self._phase = SendPhase.SENDING
         self._exception: BaseException | None = None  # set with FAILED
         self._bytes_queued = 0
+        self._max_bytes_queued = 0
         self._bytes_sent = 0
         self._messages = 0
         self._retries = 0
@@ -120,13 +126,27 @@ class CommBuffer:
         for address, packed in batches.items():
             self._raise_if_unusable()
             nbytes = packed.nbytes
-            await self._limiter.acquire(nbytes)
+            await self._acquire(nbytes)
             if self._phase is not SendPhase.SENDING:
-                await self._limiter.release(nbytes)
+                await self._release(nbytes)
                 self._raise_if_unusable()
             self._queues[address].append((packed, nbytes))
             self._bytes_queued += nbytes
+            self._max_bytes_queued = max(self._max_bytes_queued, self._bytes_queued)
             self._ensure_drainer(address)
+
+    async def _acquire(self, nbytes: int) -> None:
+        for i, limiter in enumerate(self._limiters):
+            try:
+                await limiter.acquire(nbytes)
+            except BaseException:  # cancelled while waiting: give back what was taken
+                for taken in self._limiters[:i]:
+                    await taken.release(nbytes)
+                raise
+
+    async def _release(self, nbytes: int) -> None:
+        for limiter in self._limiters:
+            await limiter.release(nbytes)
 
     @property
     def phase(self) -> SendPhase:
@@ -162,7 +182,7 @@ class CommBuffer:
                     self._messages += 1
                 finally:
                     self._bytes_queued -= nbytes
-                    await self._limiter.release(nbytes)
+                    await self._release(nbytes)
         except Exception as e:
             if self._phase is SendPhase.SENDING:
                 self._set_phase(SendPhase.FAILED, e)
@@ -185,7 +205,7 @@ class CommBuffer:
         dropped = sum(nbytes for _, nbytes in queue)
         queue.clear()
         self._bytes_queued -= dropped
-        await self._limiter.release(dropped)
+        await self._release(dropped)
 
     async def _send_with_retries(self, address: str, batch: list[Packed]) -> None:
         loop = asyncio.get_running_loop()
@@ -232,4 +252,10 @@ class CommBuffer:
             await self._drop(queue)
 
     def statistics(self) -> CommStatistics:
-        return CommStatistics(self._bytes_sent, self._messages, self._retries, self._bytes_queued)
+        return CommStatistics(
+            self._bytes_sent,
+            self._messages,
+            self._retries,
+            self._bytes_queued,
+            self._max_bytes_queued,
+        )

@@ -183,9 +183,10 @@ def rechunk_zarr(
         inspect (``.plan``) and run later (``.execute()``), as rechunker's ``rechunk`` does.
     max_mem : int or str, optional
         Memory budget per worker, as rechunker's ``max_mem`` (``"2GB"``): shards wait in
-        memory only if a worker's share of them fits in it (else on local disk), and input
-        chunks are merged only up to it. Default: decide by the workers' memory limits
-        (``rechunk-p2p.storage: auto``).
+        memory only if a worker's share of them fits in it (else on local disk), input
+        chunks are merged only up to it, and a worker holds at most half of it in shards
+        queued for sending (``rechunk-p2p.comm.run-buffer-bytes``). Default: decide by the
+        workers' memory limits (``rechunk-p2p.storage: auto``).
     storage_options : dict, optional
         fsspec options for a source or target given as a URL (``s3://bucket/data.zarr``,
         ``gs://...``): credentials, ``endpoint_url`` via ``client_kwargs`` and so on.
@@ -262,10 +263,16 @@ class ZarrRechunk:
     @functools.cached_property
     def plan(self) -> dict[str, Any]:
         """Array name -> the engine's :class:`RechunkPlan` (``None``: copied as it is)."""
-        return {
-            lay.name: plan_array(_read(lay), lay.write_chunks) if lay.rechunked else None
-            for lay in self._job.layouts
-        }
+        limit = self._max_mem
+        with dask.config.set(_budget_settings(limit)):
+            return {
+                lay.name: (
+                    plan_array(_read(lay), lay.write_chunks, block_size_limit=limit)
+                    if lay.rechunked
+                    else None
+                )
+                for lay in self._job.layouts
+            }
 
     def __repr__(self) -> str:
         job = self._job
@@ -417,6 +424,13 @@ def _storage_within(max_mem: int | None, plans: Mapping[str, Any], client: Any) 
     return "memory" if shuffled / workers <= max_mem else "disk"
 
 
+def _budget_settings(max_mem: int | None) -> dict[str, Any]:
+    """The engine settings of a ``max_mem`` budget: half of it for shards queued to send."""
+    if max_mem is None:
+        return {}
+    return {"rechunk-p2p.comm.run-buffer-bytes": max(max_mem // 2, 1)}
+
+
 def store_arrays(
     layouts: tuple[ArrayLayout, ...],
     targets: list[zarr.Array],
@@ -429,9 +443,12 @@ def store_arrays(
 
     The rechunk's output chunks are the targets' write units, so every chunk (or shard)
     is written whole, once, without locks. ``storage`` is set around graph construction;
-    ``limit`` bounds merged input blocks (``block_size_limit``).
+    ``limit`` (a ``max_mem`` budget) bounds merged input blocks (``block_size_limit``), and
+    half of it bounds each worker's queue of the rechunk's shards waiting to be sent.
     """
-    settings = {"rechunk-p2p.storage": storage} if storage else {}
+    settings = _budget_settings(limit)
+    if storage:
+        settings["rechunk-p2p.storage"] = storage
     with dask.config.set(settings):
         arrays = [
             rechunk_array(_read(lay), lay.write_chunks, block_size_limit=limit)

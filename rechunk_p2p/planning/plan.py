@@ -51,6 +51,8 @@ class RechunkPlan:
     Counts are exact; byte figures for the cluster (``bytes_moved``,
     ``per_worker_buffer_bytes``) are estimates for ``n_workers`` workers with inputs spread
     evenly over them. Object arrays are counted at 8 bytes an element.
+    ``send_buffer_bytes`` is the rechunk's own bound on the shards a worker holds queued for
+    sending (``rechunk-p2p.comm.run-buffer-bytes``; ``None``: the worker's limit alone).
     """
 
     shape: tuple[int, ...]
@@ -60,6 +62,7 @@ class RechunkPlan:
     n_workers: int = 1
     source_chunks: Chunks | None = None
     unknown_axes: tuple[int, ...] = ()
+    send_buffer_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -154,6 +157,11 @@ class RechunkPlan:
     def rows(self) -> list[tuple[str, str]]:
         """``(label, text)`` for each line of the summary (the repr and the HTML table)."""
         workers = f"{self.n_workers} worker{'s' * (self.n_workers != 1)}"
+        queue = (
+            ""
+            if self.send_buffer_bytes is None
+            else f", at most {format_bytes(self.send_buffer_bytes)} queued for sending"
+        )
         rows = [
             ("engine", "rechunk_p2p (P2P shuffle)"),
             (
@@ -186,7 +194,7 @@ class RechunkPlan:
                 f"{format_bytes(self.bytes_shuffled)}; ~{format_bytes(self.bytes_moved)} "
                 f"cross workers (estimate for {workers})",
             ),
-            ("per worker", f"~{format_bytes(self.per_worker_buffer_bytes)} buffered"),
+            ("per worker", f"~{format_bytes(self.per_worker_buffer_bytes)} buffered{queue}"),
             (
                 "largest",
                 f"input chunk {format_bytes(self.largest_input_chunk_bytes)}, "

@@ -28,6 +28,7 @@ from rechunk_p2p import config
 from rechunk_p2p.buffers import make_store
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
+from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread
@@ -52,6 +53,7 @@ class WorkerTotals:
     bytes_sent: int
     bytes_received: int
     bytes_spilled: int
+    max_bytes_queued: int = 0  # the most any one run had queued for sending at once
 
     def plus(self, run: RunStatistics) -> WorkerTotals:
         """These totals with one more run counted."""
@@ -60,6 +62,7 @@ class WorkerTotals:
             self.bytes_sent + run.bytes_sent,
             self.bytes_received + run.bytes_received,
             self.bytes_spilled + run.bytes_spilled,
+            max(self.max_bytes_queued, run.max_bytes_queued),
         )
 
 
@@ -205,6 +208,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 config.get_seconds("comm.timeout"),
             ),
             name=f"Rechunk {shuffle_id} (run {run_id}) on {self.worker.address}",
+            run_limiter=(
+                None if run_spec.spec.send_buffer_bytes is None
+                else ByteLimiter(run_spec.spec.send_buffer_bytes)
+            ),
         )
         run = WorkerRun(
             run_spec, self.worker.address, store, storage, dataplane, self.offload, comm

@@ -61,6 +61,7 @@ class RunStatistics:
     bytes_sent: int
     bytes_spilled: int
     bytes_buffered: int
+    max_bytes_queued: int = 0  # most bytes this run had queued for sending at once
 
 
 class WorkerRun:
@@ -328,4 +329,5 @@ class WorkerRun:
                 bytes_sent=comm.bytes_sent,
                 bytes_spilled=store.bytes_written if store.kind == "disk" else 0,
                 bytes_buffered=store.bytes_buffered,
+                max_bytes_queued=comm.max_bytes_queued,
             )

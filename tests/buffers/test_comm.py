@@ -122,6 +122,45 @@ async def test_put_waits_while_buffer_is_full():
 
 
 @gen_test()
+async def test_a_run_budget_holds_sends_back_within_the_worker_limit():
+    send = Recorder()
+    send.release.clear()
+    worker, run = ByteLimiter(10_000), ByteLimiter(200)
+    comm = CommBuffer(
+        send, worker, asyncio.Semaphore(2), 100, NO_RETRY_DELAY, run_limiter=run
+    )
+    await put_all(comm, {"a": [shard(0, 0), shard(0, 1)]})
+    assert (run.used, worker.used) == (200, 200)
+    blocked = asyncio.ensure_future(put_all(comm, {"b": [shard(1, 2)]}))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # the run's budget is full, the worker's is not
+    send.release.set()
+    await asyncio.wait_for(blocked, 5)
+    await comm.flush()
+    assert (run.used, worker.used) == (0, 0)
+    assert comm.statistics().max_bytes_queued == 200
+    assert run.statistics().max_used == 200
+
+
+@gen_test()
+async def test_a_put_cancelled_at_the_worker_limit_gives_the_run_budget_back():
+    send = Recorder()
+    send.release.clear()
+    worker, run = ByteLimiter(100), ByteLimiter(10_000)
+    comm = CommBuffer(send, worker, asyncio.Semaphore(2), 100, NO_RETRY_DELAY, run_limiter=run)
+    await put_all(comm, {"a": [shard(0, 0)]})
+    blocked = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 1)]}))
+    await asyncio.sleep(0.05)
+    assert run.used == 200 and worker.used == 100  # waiting on the worker's limit
+    blocked.cancel()
+    await asyncio.gather(blocked, return_exceptions=True)
+    assert run.used == 100
+    send.release.set()
+    await comm.flush()
+    assert (run.used, worker.used) == (0, 0)
+
+
+@gen_test()
 async def test_transient_errors_are_retried():
     send = Recorder(fail_times=2)
     comm, _ = make(send)

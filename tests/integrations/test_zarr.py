@@ -398,6 +398,8 @@ def test_lazy_rechunk_like_rechunker(p2p_client, tmp_path):
     assert isinstance(lazy, ZarrRechunk)
     assert lazy.plan["temperature"].new_chunks[0] == (T,)
     assert lazy.plan["lon"] is None  # copied as it is
+    assert lazy.plan["temperature"].send_buffer_bytes == 512  # half the budget, to send
+    assert "at most 512 B queued for sending" in repr(lazy.plan["temperature"])
     assert "call .execute()" in repr(lazy) and "<table" in lazy._repr_html_()
     assert not (tmp_path / "a.zarr").exists()
     report = lazy.execute()
