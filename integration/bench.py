@@ -36,15 +36,18 @@ from dask.utils import format_bytes, parse_bytes
 from distributed import Client, LocalCluster
 
 from integration.lag_bounds import LagBounds, violations
+from integration.reference import Reference, floor_seconds, measure
 from integration.resources import ResourceSampler
 from integration.workloads import (
     DEFAULT_BYTES,
     IMPLEMENTATIONS,
     Workload,
+    checked,
     many_small,
     rows_to_columns,
     rows_to_columns_8mib,
     size_from_env,
+    source_array,
     time_to_space,
     workload_graph,
 )
@@ -89,13 +92,14 @@ def _worker_info(client: Client) -> tuple[dict[str, int], dict[str, str]]:
     return {a: v[0] for a, v in info.items()}, {a: v[1] for a, v in info.items()}
 
 
-def _spilled(client: Client, impl: str) -> int | None:
+def _engine_statistics(client: Client, impl: str) -> dict[str, float] | None:
+    """The engine's own totals (spilled bytes, seconds per phase); ``None`` for dask's."""
     if impl != "rechunk_p2p":
         return None
     try:
         import rechunk_p2p
 
-        return int(rechunk_p2p.cluster_statistics(client)["bytes_spilled"])
+        return rechunk_p2p.cluster_statistics(client)
     except Exception:
         return None
 
@@ -119,7 +123,7 @@ def cluster_client(args: argparse.Namespace, local_dir: str) -> Iterator[Client]
 def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """One timed, measured, checked run; never raises for a failed run (records it)."""
     pids, dirs = _worker_info(client)
-    spilled0 = _spilled(client, impl)
+    stats0 = _engine_statistics(client, impl)
     out: dict[str, Any] = {"impl": impl, "workload": w.name, "load_before": os.getloadavg()[0]}
     try:
         _, ok = workload_graph(impl, w)
@@ -137,7 +141,10 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
                 result, error = False, f"{type(e).__name__}: {e}"
                 client.cancel(future)
         wall = time.perf_counter() - t0
-    spilled1 = _spilled(client, impl)
+    stats1 = _engine_statistics(client, impl)
+    delta = (
+        None if stats0 is None or stats1 is None else {k: stats1[k] - stats0[k] for k in stats1}
+    )
     report = probe.report
     peaks = sampler.peaks()
     return {
@@ -147,7 +154,10 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         "wall_s": wall,
         "rss_peak_bytes": peaks.rss_bytes,
         "disk_peak_bytes": peaks.disk_bytes,
-        "spilled_bytes": None if spilled0 is None or spilled1 is None else spilled1 - spilled0,
+        "spilled_bytes": None if delta is None else int(delta["bytes_spilled"]),
+        "phases_s": None if delta is None else {
+            k.removeprefix("seconds_"): v for k, v in delta.items() if k.startswith("seconds_")
+        },
         "bounds_broken": violations(report, LagBounds(max_ms=w.max_ms)) if report else None,
         "lag": report.to_dict() if report else None,
     }
@@ -275,6 +285,63 @@ def format_table(meds: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def data_only_seconds(client: Client, w: Workload) -> float:
+    """Wall time of generating and checking the workload's data in its own chunks: the part
+    of every implementation's wall time that is not the rechunk."""
+    start = time.perf_counter()
+    if not client.compute(checked(source_array(w), w)).result():
+        raise AssertionError(f"{w.name}: the generated data does not check")
+    return time.perf_counter() - start
+
+
+def format_phases(
+    runs: list[dict[str, Any]],
+    wls: list[Workload],
+    ref: Reference,
+    args: argparse.Namespace,
+    data_s: dict[str, float],
+) -> str:
+    """Where rechunk_p2p's time went (its own statistics) beside the machine's floor."""
+    phases = ("cut", "queue_wait", "send", "store", "assemble")
+    head = (
+        f"{'workload':<18} {'wall s':>7} {'data s':>7} {'floor s':>8} {'floor/wall':>10}  "
+        + " ".join(f"{p:>10}" for p in phases)
+        + f" {'other':>10}"
+    )
+    lines = [
+        "rechunk_p2p per phase (median seconds, summed over workers and threads; "
+        f"floor: {ref.summary()})",
+        head,
+        "-" * len(head),
+    ]
+    threads = args.workers * args.threads
+    for w in wls:
+        mine = [r for r in runs if r["workload"] == w.name and r["impl"] == "rechunk_p2p"]
+        mine = [r for r in mine if r.get("ok") and r.get("phases_s")]
+        if not mine:
+            continue
+        wall = statistics.median(r["wall_s"] for r in mine)
+        med = {p: statistics.median(r["phases_s"][p] for r in mine) for p in phases}
+        disk = statistics.median(r.get("spilled_bytes") or 0 for r in mine) > 0
+        floor = floor_seconds(ref, w.nbytes, args.workers, disk)
+        other = wall * threads - med["cut"] - med["queue_wait"] - med["assemble"]
+        lines.append(
+            f"{w.name:<18} {wall:7.1f} {data_s.get(w.name, float('nan')):7.1f} "
+            f"{floor:8.2f} {floor / wall:10.1%}  "
+            + " ".join(f"{med[p]:10.2f}" for p in phases)
+            + f" {other:10.1f}"
+        )
+    lines.append(
+        "data s: generating and checking the data alone, no rechunk (same cluster); "
+        "cut/queue_wait/assemble: task threads; send: sends in flight (summed); store: offload "
+        "pool; other: task-thread time outside the engine (input generation, the result "
+        f"check, scheduling, idle) of wall x {threads} task threads; floor: 2 memory copies "
+        "per byte, the cross-worker share over loopback once (and page-cache write+read when "
+        "shards spilled)"
+    )
+    return "\n".join(lines)
+
+
 def warm_up(client: Client, impls: list[str]) -> None:
     """Untimed small run of each implementation: imports and plugin registration first."""
     w = rows_to_columns(8 * 2**20)
@@ -303,11 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     for w in wls:
         print(w.summary(), flush=True)
     runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="rechunk-bench-") as scratch:
+        # before any cluster runs: the machine's own limits, at about the workloads' size
+        sample = min(max(max(w.nbytes for w in wls) // 4, 16 * 2**20), 256 * 2**20)
+        ref = measure(scratch, nbytes=sample)
+    meta["reference"] = asdict(ref)
+    print("machine:", ref.summary(), flush=True)
     with (
         tempfile.TemporaryDirectory(prefix="rechunk-bench-") as local_dir,
         cluster_client(args, local_dir) as client,
     ):
         warm_up(client, impls)
+        data_s = {w.name: data_only_seconds(client, w) for w in wls}
+        meta["data_only_s"] = data_s
         for rep in range(args.repeat):
             for w in wls:
                 for impl in impls:
@@ -327,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                     _write(out, meta, runs)
     meds = _write(out, meta, runs)
     print(format_table(meds))
+    if "rechunk_p2p" in impls:
+        print(format_phases(runs, wls, ref, args, data_s))
     try:
         from integration.bench_plot import plot
 

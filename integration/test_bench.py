@@ -21,7 +21,22 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert r["lag"]["overall"]["samples"] > 0
         assert len(r["rss_peak_bytes"]) == 2 and min(r["rss_peak_bytes"].values()) > 10 * 2**20
     assert {m["impl"] for m in doc["medians"]} == set(bench.IMPLEMENTATIONS)
+    assert min(doc["meta"]["reference"].values()) > 0  # the machine's bandwidths
+    assert doc["meta"]["data_only_s"]["2d-rows-to-cols"] > 0
+    engine = doc["runs"][0]["phases_s"]
+    assert engine["cut"] > 0 and engine["assemble"] > 0, engine
+    assert doc["runs"][1]["phases_s"] is None  # dask's own methods have no engine phases
     out = capsys.readouterr().out
     assert "2d-rows-to-cols" in out and "wall s" in out
+    assert "rechunk_p2p per phase" in out and "floor/wall" in out
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_floor_counts_two_copies_the_cross_worker_share_and_the_spill() -> None:
+    from integration.reference import Reference, floor_seconds
+
+    ref = Reference(memcpy=4e9, loopback=2e9, page_cache_write=2e9, page_cache_read=4e9)
+    assert floor_seconds(ref, 4 * 10**9, workers=2, disk=False) == pytest.approx(2.0)
+    assert floor_seconds(ref, 4 * 10**9, workers=2, disk=True) == pytest.approx(3.5)
+    assert floor_seconds(ref, 4 * 10**9, workers=1, disk=False) == pytest.approx(2.0)

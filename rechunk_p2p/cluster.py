@@ -68,23 +68,30 @@ def register(client: Any) -> Any:
     return None
 
 
-def cluster_statistics(client: Any) -> dict[str, int]:
-    """Totals over every worker since it started: runs, bytes sent, received and spilled."""
+STATISTICS = ("runs", "bytes_sent", "bytes_received", "bytes_spilled")
+PHASES = ("cut", "queue_wait", "send", "store", "assemble")
 
-    def _totals(dask_worker: Any) -> dict[str, int]:  # runs on each worker
+
+def cluster_statistics(client: Any) -> dict[str, float]:
+    """Totals over every worker since it started.
+
+    ``runs``, ``bytes_sent``, ``bytes_received``, ``bytes_spilled`` (integers), and the
+    seconds spent in each phase, summed over workers and threads: ``seconds_cut``,
+    ``seconds_queue_wait``, ``seconds_send``, ``seconds_store``, ``seconds_assemble``
+    (see :class:`rechunk_p2p.worker.run.PhaseSeconds`).
+    """
+
+    def _totals(dask_worker: Any) -> dict[str, float]:  # runs on each worker
         from rechunk_p2p.worker.plugin import get_plugin
 
         try:
             totals = get_plugin(dask_worker).totals()
         except ClusterError:
             return {}
-        return {
-            "runs": totals.runs,
-            "bytes_sent": totals.bytes_sent,
-            "bytes_received": totals.bytes_received,
-            "bytes_spilled": totals.bytes_spilled,
-        }
+        values: dict[str, float] = {k: getattr(totals, k) for k in STATISTICS}
+        values.update({f"seconds_{p}": getattr(totals.phases, p) for p in PHASES})
+        return values
 
     per_worker = client.run(_totals)
-    keys = ("runs", "bytes_sent", "bytes_received", "bytes_spilled")
+    keys = (*STATISTICS, *(f"seconds_{p}" for p in PHASES))
     return {k: sum(t.get(k, 0) for t in per_worker.values()) for k in keys}

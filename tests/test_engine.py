@@ -64,6 +64,11 @@ async def test_a_run_budget_bounds_each_workers_send_queue(c, s, a, b, storage):
     totals = [w.plugins[PLUGIN_NAME].totals() for w in (a, b)]
     assert all(t.bytes_sent > 0 for t in totals)
     assert all(0 < t.max_bytes_queued <= 16 * 2**10 for t in totals), totals
+    # every phase was timed on every worker (both cut, sent, stored and assembled)
+    for t in totals:
+        phases = t.phases
+        assert min(phases.cut, phases.send, phases.store, phases.assemble) > 0, phases
+        assert phases.queue_wait >= 0
 
 
 @gen_cluster(client=True, nthreads=NTHREADS_2)

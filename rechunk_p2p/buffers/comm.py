@@ -11,6 +11,7 @@ import asyncio
 import enum
 import logging
 import random
+import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class CommStatistics:
     retries: int
     bytes_queued: int
     max_bytes_queued: int = 0
+    send_seconds: float = 0.0  # summed over concurrent sends
 
 
 class CommBuffer:
@@ -117,6 +119,7 @@ class CommBuffer:
         self._exception: BaseException | None = None  # set with FAILED
         self._bytes_queued = 0
         self._max_bytes_queued = 0
+        self._send_seconds = 0.0
         self._bytes_sent = 0
         self._messages = 0
         self._retries = 0
@@ -177,7 +180,11 @@ class CommBuffer:
                 batch, nbytes = self._take_batch(queue)
                 try:
                     async with self._concurrency:
-                        await self._send_with_retries(address, batch)
+                        start = time.perf_counter()
+                        try:
+                            await self._send_with_retries(address, batch)
+                        finally:
+                            self._send_seconds += time.perf_counter() - start
                     self._bytes_sent += nbytes
                     self._messages += 1
                 finally:
@@ -258,4 +265,5 @@ class CommBuffer:
             self._retries,
             self._bytes_queued,
             self._max_bytes_queued,
+            self._send_seconds,
         )

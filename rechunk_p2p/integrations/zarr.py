@@ -65,7 +65,8 @@ class ZarrRechunkReport:
         Wall time from creating the target to the last chunk written.
     statistics : dict
         Change in :func:`rechunk_p2p.api.cluster_statistics` over the call
-        (``bytes_spilled``, ``bytes_sent``, ``bytes_received``, ``runs``).
+        (``bytes_spilled``, ``bytes_sent``, ``bytes_received``, ``runs``, and the seconds
+        per phase, ``seconds_cut`` ... ``seconds_assemble``).
     loop_lag : tuple, optional
         Event-loop lag over the call: ``(p99 ms, max ms, workers)`` of the scheduler and
         the workers together; ``None`` if it could not be measured.
@@ -76,7 +77,7 @@ class ZarrRechunkReport:
     zarr_format: int
     arrays: tuple[ArrayLayout, ...]
     seconds: float
-    statistics: Mapping[str, int] = field(default_factory=dict)
+    statistics: Mapping[str, float] = field(default_factory=dict)
     loop_lag: tuple[float, float, int] | None = None
 
     @property

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dask.utils import parse_timedelta
@@ -34,7 +34,7 @@ from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, from_thread
 from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunId, RunSpec, ShuffleId
 from rechunk_p2p.worker.dataplane import DataPlane
-from rechunk_p2p.worker.run import RunStatistics, WorkerRun
+from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class WorkerTotals:
     bytes_received: int
     bytes_spilled: int
     max_bytes_queued: int = 0  # the most any one run had queued for sending at once
+    phases: PhaseSeconds = field(default_factory=PhaseSeconds)
 
     def plus(self, run: RunStatistics) -> WorkerTotals:
         """These totals with one more run counted."""
@@ -63,6 +64,7 @@ class WorkerTotals:
             self.bytes_received + run.bytes_received,
             self.bytes_spilled + run.bytes_spilled,
             max(self.max_bytes_queued, run.max_bytes_queued),
+            self.phases + run.phases,
         )
 
 

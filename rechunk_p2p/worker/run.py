@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
@@ -47,6 +48,37 @@ _NEXT: dict[RunPhase, frozenset[RunPhase]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class PhaseSeconds:
+    """**Immutable.** Where a run's time went on one worker, in seconds summed over threads.
+
+    Attributes
+    ----------
+    cut
+        Task threads cutting input chunks into shards and packing them (local shards
+        stored included).
+    queue_wait
+        Task threads waiting to queue packed shards for sending (back-pressure: the send
+        buffer was full), one loop hop included.
+    send
+        Sends in flight on the data plane, summed over concurrent sends (a send's time is
+        the peer's receive and store too: the ack comes after them).
+    store
+        The offload pool unpacking received batches and writing them to the store.
+    assemble
+        Task threads reading shards back and assembling output chunks.
+    """
+
+    cut: float = 0.0
+    queue_wait: float = 0.0
+    send: float = 0.0
+    store: float = 0.0
+    assemble: float = 0.0
+
+    def __add__(self, other: PhaseSeconds) -> PhaseSeconds:
+        return PhaseSeconds(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+@dataclass(frozen=True, slots=True)
 class RunStatistics:
     """**Immutable.** What one run did on one worker."""
 
@@ -62,6 +94,7 @@ class RunStatistics:
     bytes_spilled: int
     bytes_buffered: int
     max_bytes_queued: int = 0  # most bytes this run had queued for sending at once
+    phases: PhaseSeconds = field(default_factory=PhaseSeconds)
 
 
 class WorkerRun:
@@ -108,6 +141,7 @@ class WorkerRun:
         self._outputs = 0
         self._bytes_local = 0
         self._bytes_received = 0
+        self._seconds = dict.fromkeys(("cut", "queue_wait", "store", "assemble"), 0.0)
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -160,15 +194,17 @@ class WorkerRun:
                 f"Input chunk {partial.input_index(flat)} of rechunk {self.shuffle_id} has shape "
                 f"{data.shape}, expected {expected}"
             )
+        start = time.perf_counter()
         local, remote = self._cut_blocking(flat, data)
-        if local:
-            nbytes = self._store.write_blocking(local)
-            with self._lock:
-                self._bytes_local += nbytes
+        nbytes = self._store.write_blocking(local) if local else 0
+        cut = time.perf_counter()
         if remote:
             from_thread(self._dataplane.loop, self._comm.put, remote)
         with self._lock:
+            self._bytes_local += nbytes
             self._inputs += 1
+            self._seconds["cut"] += cut - start
+            self._seconds["queue_wait"] += time.perf_counter() - cut
 
     def _cut_blocking(self, flat: int, data: np.ndarray) -> tuple[list[Shard], dict[str, Packed]]:
         """The shards of input ``flat`` that stay here, and one batch per other worker.
@@ -241,6 +277,7 @@ class WorkerRun:
     def get_output_blocking(self, flat: int) -> np.ndarray:
         """Assemble output chunk ``flat`` from its shards. Runs in a task thread."""
         self._raise_if_closed()
+        start = time.perf_counter()
         spec = self.run_spec.spec
         partial = spec.partial
         placement = dict(partial.shards_of_output(flat))
@@ -258,6 +295,7 @@ class WorkerRun:
             )
         with self._lock:
             self._outputs += 1
+            self._seconds["assemble"] += time.perf_counter() - start
         return out
 
     def _read_unknown_blocking(
@@ -287,10 +325,14 @@ class WorkerRun:
             self._bytes_received += nbytes
 
     def _store_packed_blocking(self, batch: list[Packed]) -> int:
+        start = time.perf_counter()
         dtype = self.run_spec.spec.dtype
-        return self._store.write_blocking(
+        nbytes = self._store.write_blocking(
             shard for packed in batch for shard in unpack_blocking(packed, dtype)
         )
+        with self._lock:
+            self._seconds["store"] += time.perf_counter() - start
+        return nbytes
 
     # --- worker loop --------------------------------------------------------------------------
 
@@ -330,4 +372,5 @@ class WorkerRun:
                 bytes_spilled=store.bytes_written if store.kind == "disk" else 0,
                 bytes_buffered=store.bytes_buffered,
                 max_bytes_queued=comm.max_bytes_queued,
+                phases=PhaseSeconds(send=comm.send_seconds, **self._seconds),
             )
