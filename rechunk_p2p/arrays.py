@@ -48,7 +48,7 @@ def rechunk_array(
     unknown = _unknown_axes(x)
     the_plan = _make_plan(x, new, block_size_limit, n_workers=1)
     ensure_registered()
-    token = tokenize(x, new, storage)
+    token = tokenize(x, new, storage, the_plan)  # the plan: settings that shape the graph
     if the_plan.merged:  # merge thin inputs first (plain tasks)
         merged = tuple(
             x.chunks[axis] if axis in unknown else c
@@ -122,6 +122,7 @@ def _make_plan(
         source_chunks=old,
         unknown_axes=unknown,
         send_buffer_bytes=config.get_optional_bytes("comm.run-buffer-bytes"),
+        partial_bytes=config.get_bytes("partial-bytes"),
     )
 
 

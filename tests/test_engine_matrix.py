@@ -240,8 +240,11 @@ async def test_persisted_output_is_reused(c, s, a, b, storage):
     assert_storage_used(storage, a, b)
 
 
-@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+@gen_cluster(
+    client=True, nthreads=TWO, allow_unclosed=False, config={"rechunk-p2p.partial-bytes": 0}
+)
 async def test_culling_runs_only_the_partials_needed(c, s, a, b):
+    """Partials as they are (none joined): a slice runs only the partials it touches."""
     await rechunk_p2p.register(c)
     plugin = s.plugins[PLUGIN]
     arr = np.arange(40 * 40).reshape(40, 40)
@@ -269,6 +272,30 @@ async def test_culling_runs_only_the_partials_needed(c, s, a, b):
 
 
 @gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_small_partials_are_joined_into_one_run(c, s, a, b):
+    """At defaults the 16 sub-shuffles above are one (each is far below partial-bytes)."""
+    await rechunk_p2p.register(c)
+    plugin = s.plugins[PLUGIN]
+    arr = np.arange(40 * 40).reshape(40, 40)
+    x = da.from_array(arr, chunks=(5, 10))
+    assert rechunk_p2p.plan(x, (10, 5)).n_partials == 1
+    before = plugin.runs_created
+    check_result(await c.compute(rechunk_p2p.rechunk(x, (10, 5))), arr)
+    assert plugin.runs_created - before == 1
+    await assert_clean(s, a, b)
+    # 16 partials of 800 B; joined along the last axis first (a row of 3.2 KB), then in
+    # pairs of rows: 2 of 6.4 KB
+    with dask.config.set({"rechunk-p2p.partial-bytes": "4KiB"}):
+        assert rechunk_p2p.plan(x, (10, 5)).n_partials == 2
+        before = plugin.runs_created
+        check_result(await c.compute(rechunk_p2p.rechunk(x, (10, 5))), arr)
+        assert plugin.runs_created - before == 2
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(
+    client=True, nthreads=TWO, allow_unclosed=False, config={"rechunk-p2p.partial-bytes": 0}
+)
 async def test_culling_transfers_only_the_inputs_needed(c, s, a, b):
     """Finer than a partial: a slice of the output transfers only the input chunks that hold
     a piece of it, and sends only the shards it needs (distributed's overlapping case)."""

@@ -14,21 +14,38 @@ import numpy as np
 from dask.utils import format_bytes
 
 from rechunk_p2p.errors import RechunkInputError
-from rechunk_p2p.planning.axes import Chunks, axis_groups, axis_pieces, element_bytes
+from rechunk_p2p.planning.axes import AxisGroup, Chunks, axis_groups, axis_pieces, element_bytes
 from rechunk_p2p.planning.partials import Partial
 
 
-def make_partials(old_chunks: Chunks, new_chunks: Chunks) -> tuple[Partial, ...]:
+def make_partials(
+    old_chunks: Chunks,
+    new_chunks: Chunks,
+    *,
+    min_elements: int = 0,
+    fixed_axes: tuple[int, ...] = (),
+) -> tuple[Partial, ...]:
     """Decompose a rechunk into independent partials, in C order over the grid of partials.
+
+    With ``min_elements``, neighbouring partials that each need a shuffle are joined into
+    one, box by box, until a partial holds about that many elements: every partial is one
+    run of the shuffle (its own barrier and round trips to the scheduler), so thousands of
+    tiny ones cost far more than their bytes. Partials that need no shuffle (slices or
+    concatenations, built by plain tasks) are never joined, and neither are ``fixed_axes``.
 
     >>> [p.index for p in make_partials(((2, 2), (3,)), ((4,), (1, 2)))]
     [(0, 0)]
     >>> len(make_partials(((2, 2), (3,)), ((2, 2), (1, 2))))
     2
+    >>> many = ((1,) * 8, (2,) * 4), ((2,) * 4, (1,) * 8)  # 16 partials of 2 x 2 chunks
+    >>> len(make_partials(*many)), len(make_partials(*many, min_elements=16))
+    (16, 4)
     """
     if len(old_chunks) != len(new_chunks):
         raise RechunkInputError(f"Chunks {old_chunks} and {new_chunks} have different dimensions")
     groups = [axis_groups(o, n) for o, n in zip(old_chunks, new_chunks)]
+    if min_elements > 1 and _every_partial_shuffles(groups, old_chunks, new_chunks):
+        groups = _joined(groups, old_chunks, min_elements, fixed_axes)
     partials = []
     for index in itertools.product(*(range(len(g)) for g in groups)):
         chosen = [g[i] for g, i in zip(groups, index)]
@@ -44,6 +61,55 @@ def make_partials(old_chunks: Chunks, new_chunks: Chunks) -> tuple[Partial, ...]
     return tuple(partials)
 
 
+def _every_partial_shuffles(
+    groups: list[tuple[AxisGroup, ...]], old_chunks: Chunks, new_chunks: Chunks
+) -> bool:
+    """Whether every partial with elements needs a shuffle (more than one non-empty input
+    chunk and more than one output chunk); decided per axis, without listing the partials."""
+    inputs = [
+        {sum(1 for k in g.old if old_chunks[a][k]) for g in axis} for a, axis in enumerate(groups)
+    ]
+    outputs = [{len(g.new) for g in axis} for axis in groups]
+    return math.prod(min(n) for n in inputs) > 1 and math.prod(min(n) for n in outputs) > 1
+
+
+def _joined(
+    groups: list[tuple[AxisGroup, ...]],
+    old_chunks: Chunks,
+    min_elements: int,
+    fixed_axes: tuple[int, ...],
+) -> list[tuple[AxisGroup, ...]]:
+    """Join neighbouring groups, from the last axis to the first, until a partial (the
+    product of one group per axis) holds about ``min_elements`` elements."""
+    lengths = [
+        [sum(old_chunks[a][k] for k in g.old) for g in axis] for a, axis in enumerate(groups)
+    ]
+    typical = [max(axis) if axis else 0 for axis in lengths]
+    out = list(groups)
+    for axis in reversed(range(len(groups))):
+        rest = math.prod(t for a, t in enumerate(typical) if a != axis)
+        if axis in fixed_axes or rest == 0 or typical[axis] * rest >= min_elements:
+            continue
+        target = -(-min_elements // rest)  # elements along this axis per joined group
+        joined: list[AxisGroup] = []
+        length = 0
+        for group, n in zip(groups[axis], lengths[axis]):
+            if joined and length < target:
+                last = joined[-1]
+                joined[-1] = AxisGroup(
+                    range(last.old.start, group.old.stop), range(last.new.start, group.new.stop)
+                )
+                length += n
+            else:
+                joined.append(group)
+                length = n
+        out[axis] = tuple(joined)
+        typical[axis] = max(sum(old_chunks[axis][k] for k in g.old) for g in joined)
+        if math.prod(typical) >= min_elements:
+            break
+    return out
+
+
 @dataclass(frozen=True)
 class RechunkPlan:
     """**Immutable.** What a P2P rechunk will do, before it runs.
@@ -53,6 +119,8 @@ class RechunkPlan:
     evenly over them. Object arrays are counted at 8 bytes an element.
     ``send_buffer_bytes`` is the rechunk's own bound on the shards a worker holds queued for
     sending (``rechunk-p2p.comm.run-buffer-bytes``; ``None``: the worker's limit alone).
+    ``partial_bytes``: independent sub-shuffles smaller than this are joined with their
+    neighbours (``rechunk-p2p.partial-bytes``; 0: never; see :func:`make_partials`).
     """
 
     shape: tuple[int, ...]
@@ -63,6 +131,7 @@ class RechunkPlan:
     source_chunks: Chunks | None = None
     unknown_axes: tuple[int, ...] = ()
     send_buffer_bytes: int | None = None
+    partial_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -80,8 +149,13 @@ class RechunkPlan:
 
     @cached_property
     def partials(self) -> tuple[Partial, ...]:
-        """The independent sub-shuffles."""
-        return make_partials(self.old_chunks, self.new_chunks)
+        """The independent sub-shuffles (small ones joined up to ``partial_bytes``)."""
+        return make_partials(
+            self.old_chunks,
+            self.new_chunks,
+            min_elements=self.partial_bytes // self.itemsize,
+            fixed_axes=self.unknown_axes,
+        )
 
     @property
     def n_partials(self) -> int:

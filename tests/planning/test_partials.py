@@ -87,14 +87,21 @@ def expected_needs_shuffle(partial: Partial, inputs: dict) -> bool:
 
 
 @SETTINGS
-@given(rechunks())
-def test_every_element_lands_once_in_the_right_place(case):
+@given(rechunks(), st.sampled_from([0, 2, 7, 50, 10**6]))
+def test_every_element_lands_once_in_the_right_place(case, min_elements):
+    """Also with neighbouring partials joined (``min_elements``): a joined partial is a
+    partial like any other."""
     shape, old, new = case
     array = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
     inputs = {k: array[s] for k, s in chunk_slices(old).items()}
     expected = {k: array[s] for k, s in chunk_slices(new).items()}
 
-    partials = make_partials(old, new)
+    partials = make_partials(old, new, min_elements=min_elements)
+    fine = make_partials(old, new)
+    assert len(partials) <= len(fine)
+    if len(partials) < len(fine):  # only partials that each shuffle are ever joined
+        assert all(p.needs_shuffle for p in fine if p.size)
+        assert all(p.needs_shuffle for p in partials)
     assert [p.index for p in partials] == sorted(p.index for p in partials)
     assert len({p.index for p in partials}) == len(partials)
 
@@ -180,6 +187,22 @@ def test_partials_are_immutable_hashable_and_picklable(case):
             assert list(clone.shards_of_input(flat)) == list(p.shards_of_input(flat))
         with pytest.raises(AttributeError):
             p.old_chunks = ()
+
+
+def test_joining_stops_at_about_the_size_and_keeps_fixed_axes():
+    old = ((1,) * 64, (4,) * 16)  # maps of 1 x 4 -> series of 64 x 1 ...
+    new = ((4,) * 16, (1,) * 64)  # ... 256 partials of 4 x 4 elements
+    assert len(make_partials(old, new)) == 256
+    joined = make_partials(old, new, min_elements=64)
+    assert len(joined) == 64 and {p.size for p in joined} == {64}
+    assert len(make_partials(old, new, min_elements=10**9)) == 1
+    kept = make_partials(old, new, min_elements=10**9, fixed_axes=(1,))
+    assert len(kept) == 16 and {p.old_grid[1] for p in kept} == {1}
+
+
+def test_partials_that_need_no_shuffle_are_never_joined():
+    old, new = ((10, 10, 10),), ((5,) * 6,)  # each old chunk is sliced: no shuffle
+    assert len(make_partials(old, new, min_elements=10**6)) == 3
 
 
 def test_partial_example():
