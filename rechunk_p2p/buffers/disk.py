@@ -360,34 +360,46 @@ def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     Uses ``os.pwritev`` with up to ``IOV_MAX`` buffers per call where available, else one
     ``os.pwrite`` per buffer.
     """
-    pending = [v for v in views if v.nbytes]
-    i = 0
-    while i < len(pending):
-        if hasattr(os, "pwritev"):
-            written = os.pwritev(fd, pending[i : i + _IOV_MAX], offset)
-        else:  # pragma: no cover - platforms without pwritev
-            written = os.pwrite(fd, pending[i], offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "the disk accepted no bytes")
-        offset += written
-        i = _advance(pending, i, written)
+    if hasattr(os, "pwritev"):
+        _all_of(fd, views, offset, os.pwritev, "the disk accepted no bytes")
+    else:  # pragma: no cover - platforms without pwritev
+        _all_of(fd, views, offset, lambda f, v, o: os.pwrite(f, v[0], o), "no bytes written")
 
 
 def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     """Fill every byte of the writable ``views`` from ``offset``, retrying short reads."""
+    if hasattr(os, "preadv"):
+        _all_of(fd, views, offset, os.preadv, _ENDED_EARLY)
+    else:  # pragma: no cover - platforms without preadv
+        _all_of(fd, views, offset, _pread_into, _ENDED_EARLY)
+
+
+_ENDED_EARLY = "the data file ended early (was it truncated or removed?)"
+
+
+def _all_of(
+    fd: int,
+    views: Sequence[memoryview],
+    offset: int,
+    vectored: Callable[[int, list[memoryview], int], int],
+    nothing_done: str,
+) -> None:
+    """Call ``vectored(fd, views, offset)`` (a ``preadv``/``pwritev``) until every byte of
+    ``views`` is done, at most ``IOV_MAX`` buffers a call, resuming after short transfers."""
     pending = [v for v in views if v.nbytes]
     i = 0
     while i < len(pending):
-        if hasattr(os, "preadv"):
-            read = os.preadv(fd, pending[i : i + _IOV_MAX], offset)
-        else:  # pragma: no cover - platforms without preadv
-            data = os.pread(fd, pending[i].nbytes, offset)
-            read = len(data)
-            pending[i][:read] = data
-        if read <= 0:
-            raise OSError(errno.EIO, "the data file ended early (was it truncated or removed?)")
-        offset += read
-        i = _advance(pending, i, read)
+        done = vectored(fd, pending[i : i + _IOV_MAX], offset)
+        if done <= 0:
+            raise OSError(errno.EIO, nothing_done)
+        offset += done
+        i = _advance(pending, i, done)
+
+
+def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:  # pragma: no cover
+    data = os.pread(fd, views[0].nbytes, offset)
+    views[0][: len(data)] = data
+    return len(data)
 
 
 def _advance(pending: list[memoryview], i: int, done: int) -> int:
