@@ -40,3 +40,18 @@ def test_floor_counts_two_copies_the_cross_worker_share_and_the_spill() -> None:
     assert floor_seconds(ref, 4 * 10**9, workers=2, disk=False) == pytest.approx(2.0)
     assert floor_seconds(ref, 4 * 10**9, workers=2, disk=True) == pytest.approx(3.5)
     assert floor_seconds(ref, 4 * 10**9, workers=1, disk=False) == pytest.approx(2.0)
+
+
+def test_scaling_figure_from_points(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from integration.scaling import plot
+
+    points = [
+        {"sweep": sweep, "impl": impl, "size": size, "workers": workers,
+         "wall_s": 1.0 + size / 2**30, "rss_peak": 2**28 * workers}
+        for impl in ("rechunk_p2p", "dask-p2p")
+        for sweep, size, workers in [("bytes", 2**28, 2), ("bytes", 2**30, 2),
+                                     ("workers", 2**30, 2), ("workers", 2**30, 4)]
+    ]  # fmt: skip
+    figure = plot(points, tmp_path / "scaling.png", "test")
+    assert figure.stat().st_size > 10_000
