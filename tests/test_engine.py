@@ -152,3 +152,36 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
 def _runs(worker) -> dict:
     plugin = worker.plugins.get("rechunk-p2p")
     return plugin.runs if plugin is not None else {}
+
+
+def _slow_block(block):
+    import time
+
+    time.sleep(0.05)  # keep the transfers running while the workers go
+    return block
+
+
+@gen_cluster(
+    client=True,
+    nthreads=NTHREADS_2,
+    config={"distributed.scheduler.no-workers-timeout": "1s"},
+)
+async def test_no_workers_left_fails_with_one_clear_error(c, s, a, b):
+    """Every worker gone mid-rechunk: with distributed's ``no-workers-timeout`` the rechunk
+    fails with distributed's own error (without it, it waits for workers, as any dask
+    computation does), and no run state is left on the scheduler."""
+    from distributed.scheduler import NoWorkerError
+
+    from rechunk_p2p.spec import PLUGIN_NAME
+
+    await rechunk_p2p.register(c)
+    x = da.ones((40, 40), chunks=(1, 40)).map_blocks(_slow_block)
+    future = c.compute(rechunk_p2p.rechunk(x, (40, 1)))
+    plugin = s.plugins[PLUGIN_NAME]
+    while not plugin.active:
+        await asyncio.sleep(0.01)
+    await asyncio.gather(a.close(), b.close())
+    with pytest.raises(NoWorkerError, match="without any running workers"):
+        await asyncio.wait_for(future, 30)
+    while plugin.active:  # the barrier's failure closes the run
+        await asyncio.sleep(0.01)
