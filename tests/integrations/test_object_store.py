@@ -50,8 +50,8 @@ def endpoint():
     deadline = time.monotonic() + 60
     while True:
         try:
-            urllib.request.urlopen(url, timeout=1)
-            break
+            with urllib.request.urlopen(url, timeout=1):
+                break
         except OSError:
             if time.monotonic() > deadline or server.poll() is not None:
                 server.kill()
