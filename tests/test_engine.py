@@ -71,6 +71,23 @@ async def test_a_run_budget_bounds_each_workers_send_queue(c, s, a, b, storage):
         assert phases.queue_wait >= 0
 
 
+@gen_cluster(
+    client=True,
+    nthreads=NTHREADS_2,
+    config={"rechunk-p2p.comm.buffer-bytes-limit": "24KiB", "rechunk-p2p.storage": "disk"},
+)
+async def test_the_send_queue_stays_within_the_workers_buffer(c, s, a, b):
+    """What a worker holds for sending never exceeds ``comm.buffer-bytes-limit`` (measured by
+    the engine itself); with disk storage the received shards are on disk, not held."""
+    from rechunk_p2p.spec import PLUGIN_NAME
+
+    x = da.random.default_rng(3).random((400, 400), chunks=(10, 400))  # 16 KB per batch
+    await _check(c, s, [a, b], x, (400, 10))
+    totals = [w.plugins[PLUGIN_NAME].totals() for w in (a, b)]
+    assert all(t.bytes_spilled > 0 for t in totals)
+    assert all(0 < t.max_bytes_queued <= 24 * 2**10 for t in totals), totals
+
+
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storage, monkeypatch):
     """Deliver every batch, then fail as if the ack was lost: the retry delivers it again."""
