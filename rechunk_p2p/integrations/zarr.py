@@ -302,17 +302,20 @@ class ZarrRechunk:
         and removes the target on failure). Either can be used once.
         """
         self._claim()
-        job = self._job
         try:
             client = distributed.get_client()
         except ValueError:
             client = None
+        return self._stored(client)
+
+    def _stored(self, client: distributed.Client | None) -> list[da.Array]:
+        """Create the empty target; the arrays whose computation writes it."""
         storage = self._storage
         if storage is None and client is not None:
             storage = _storage_within(self._max_mem, self.plan, client)
-        job.dest.clear()
-        targets = _create_target(job)
-        return store_arrays(job.layouts, targets, storage=storage, limit=self._max_mem)
+        self._job.dest.clear()
+        targets = _create_target(self._job)
+        return store_arrays(self._job.layouts, targets, storage=storage, limit=self._max_mem)
 
     def _claim(self) -> None:
         if self._done:
@@ -328,11 +331,7 @@ class ZarrRechunk:
             before = cluster_statistics(client)
             start = time.perf_counter()
             try:
-                job.dest.clear()
-                targets = _create_target(job)
-                storage = self._storage or _storage_within(self._max_mem, self.plan, client)
-                stored = store_arrays(job.layouts, targets, storage=storage, limit=self._max_mem)
-                _run(client, stored, progress=self._progress)
+                _run(client, self._stored(client), progress=self._progress)
                 if _is_consolidated(job.root):
                     _consolidate(job.dest.location, job.zarr_format)
             except BaseException:
