@@ -30,10 +30,10 @@ from rechunk_p2p import tasks
 from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.spec import (
     OUTPUT_PREFIX,
-    TRANSFER_PREFIX,
     ShuffleId,
     ShuffleSpec,
     barrier_key,
+    transfer_name,
     widen,
 )
 
@@ -202,13 +202,13 @@ class RechunkLayer(Layer):
 
     def _shuffle_tasks(self, partial: Partial, keep: frozenset[int] | None) -> dict[Any, Any]:
         shuffle_id = f"{self.token}-{'.'.join(map(str, partial.index))}"
-        transfer_name = TRANSFER_PREFIX + self.token
+        transfers_name = transfer_name(self.input_name, self.token)
         if keep is not None and len(keep) < partial.n_outputs:
             # a culled sub-shuffle is another shuffle: its own id and transfer keys
             digest = hashlib.sha1(repr(sorted(keep)).encode(), usedforsecurity=False)
             suffix = "-" + digest.hexdigest()[:12]
             shuffle_id += suffix
-            transfer_name += suffix
+            transfers_name += suffix
         else:
             keep = None
         spec = ShuffleSpec(
@@ -225,7 +225,7 @@ class RechunkLayer(Layer):
         transfers = []
         for flat in spec.inputs:
             index = partial.input_index(flat)
-            key = (transfer_name, *index)
+            key = (transfers_name, *index)
             source = TaskRef((self.input_name, *index))
             dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat)
             transfers.append(TaskRef(key))

@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import NewType
 
 import numpy as np
+from dask.utils import key_split
 
 from rechunk_p2p.config import Storage
 from rechunk_p2p.planning import Partial, assign_worker
@@ -36,6 +37,31 @@ RunId = NewType("RunId", int)
 PLUGIN_NAME = "rechunk-p2p"
 #: Scheduler metadata key under which each worker publishes its data-plane address.
 METADATA_KEY = "rechunk-p2p-dataplane"
+
+
+#: Longest transfer name led by the input's key group (dask cuts fused names at 115 characters)
+_MAX_LED_NAME = 110
+
+
+def transfer_name(input_name: str, token: str) -> str:
+    """The name of a rechunk's transfer keys: ``<input's group>-rechunk_p2p-transfer-<token>``.
+
+    Led by the input's key group, a transfer key is the key that dask's linear fusion gives
+    an input task fused with its transfer (it names a fused chain after the top key when all
+    other keys of the chain are in the top key's group), so fusion adds no alias task per
+    input chunk. The name falls back to ``rechunk_p2p-transfer-<token>`` where that cannot
+    hold.
+
+    >>> transfer_name("random_sample-4a5b", "0f1e")
+    'random_sample-rechunk_p2p-transfer-0f1e'
+    >>> key_split(transfer_name("random_sample-4a5b", "0f1e"))
+    'random_sample'
+    """
+    group = key_split(input_name)
+    name = f"{group}-{TRANSFER_PREFIX}{token}"
+    if key_split(name) == group and len(name) + 13 <= _MAX_LED_NAME:  # 13: a culled suffix
+        return name
+    return TRANSFER_PREFIX + token
 
 
 def barrier_key(shuffle_id: ShuffleId) -> str:
