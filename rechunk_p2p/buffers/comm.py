@@ -1,8 +1,9 @@
 """The send side of a run: batches packed shards per destination, sends with back-pressure.
 
-Where it runs: the data plane's event loop. Shards arrive already cut and packed (task threads
-do that, see :mod:`rechunk_p2p.buffers.wire`); this module only queues, batches and awaits
-sends.
+Where it runs: the data plane's event loop, but for ``CommBuffer.put_blocking``, which task
+threads call. Shards arrive already cut and packed (task threads do that, see
+:mod:`rechunk_p2p.buffers.wire`); a thread holds their bytes under the limits and hands them to
+the loop without waiting for it; the loop only queues, batches and awaits sends.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class CommStatistics:
 
 
 class CommBuffer:
-    """**Loop-confined.** Per-destination queues of packed shards, sent in bounded batches.
+    """**Loop-confined** (to ``loop``), but for :meth:`put_blocking`, which task threads
+    call. Per-destination queues of packed shards, sent in bounded batches.
 
     Parameters
     ----------
@@ -81,7 +83,7 @@ class CommBuffer:
         ``await send(address, batch)`` delivers one batch of :class:`Packed`; it raises
         ``OSError`` on transient comm errors (retried) and anything else on permanent ones.
     limiter
-        Shared byte limit of everything queued on this worker; ``put`` waits on it.
+        Shared byte limit of everything queued on this worker; ``put_blocking`` waits on it.
     concurrency
         Shared bound of sends in flight on this worker.
     message_bytes
@@ -93,6 +95,8 @@ class CommBuffer:
     run_limiter
         This run's own byte limit (its share of a memory budget), acquired before
         ``limiter``; ``None``: the worker's limit alone.
+    loop
+        The loop that sends (the data plane's); default: the running loop.
     """
 
     def __init__(
@@ -104,7 +108,9 @@ class CommBuffer:
         retry: RetryPolicy,
         name: str = "rechunk_p2p",
         run_limiter: ByteLimiter | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        self._loop = asyncio.get_running_loop() if loop is None else loop
         self._name = name
         self._send = send
         self._limiters = (limiter,) if run_limiter is None else (run_limiter, limiter)
@@ -124,32 +130,50 @@ class CommBuffer:
         self._messages = 0
         self._retries = 0
 
-    async def put(self, batches: dict[str, Packed]) -> None:
-        """Queue packed shards per destination; waits while the worker's send buffer is full."""
+    def put_blocking(self, batches: dict[str, Packed]) -> None:
+        """From a task thread: queue packed shards per destination.
+
+        Holds their bytes under the run's and the worker's limits first, waiting only while
+        a buffer is full; then hands them to the loop without waiting for it (one
+        ``call_soon_threadsafe`` per destination).
+        """
         for address, packed in batches.items():
             self._raise_if_unusable()
             nbytes = packed.nbytes
-            await self._acquire(nbytes)
-            if self._phase is not SendPhase.SENDING:
-                await self._release(nbytes)
+            if not self._acquire_blocking(nbytes):
                 self._raise_if_unusable()
-            self._queues[address].append((packed, nbytes))
-            self._bytes_queued += nbytes
-            self._max_bytes_queued = max(self._max_bytes_queued, self._bytes_queued)
-            self._ensure_drainer(address)
+            self._loop.call_soon_threadsafe(self._enqueue, address, packed, nbytes)
 
-    async def _acquire(self, nbytes: int) -> None:
+    def _acquire_blocking(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` under every limiter, in order; ``False``, holding nothing, when
+        the buffer stopped sending meanwhile."""
+        stop = self._stopped
         for i, limiter in enumerate(self._limiters):
-            try:
-                await limiter.acquire(nbytes)
-            except BaseException:  # cancelled while waiting: give back what was taken
+            if not limiter.acquire_blocking(nbytes, stop):
                 for taken in self._limiters[:i]:
-                    await taken.release(nbytes)
-                raise
+                    taken.release(nbytes)
+                return False
+        if stop():
+            self._release(nbytes)
+            return False
+        return True
 
-    async def _release(self, nbytes: int) -> None:
+    def _stopped(self) -> bool:
+        return self._phase is not SendPhase.SENDING
+
+    def _release(self, nbytes: int) -> None:
         for limiter in self._limiters:
-            await limiter.release(nbytes)
+            limiter.release(nbytes)
+
+    def _enqueue(self, address: str, packed: Packed, nbytes: int) -> None:
+        """On the loop: queue bytes a thread holds; dropped if sending stopped meanwhile."""
+        if self._phase is not SendPhase.SENDING:
+            self._release(nbytes)
+            return
+        self._queues[address].append((packed, nbytes))
+        self._bytes_queued += nbytes
+        self._max_bytes_queued = max(self._max_bytes_queued, self._bytes_queued)
+        self._ensure_drainer(address)
 
     @property
     def phase(self) -> SendPhase:
@@ -161,6 +185,9 @@ class CommBuffer:
         if phase is SendPhase.FAILED:
             self._exception = error
         self._phase = phase
+        if phase is not SendPhase.SENDING:
+            for limiter in self._limiters:
+                limiter.wake()  # threads waiting for room give up
 
     def _raise_if_unusable(self) -> None:
         if self._exception is not None:
@@ -187,16 +214,17 @@ class CommBuffer:
                             self._send_seconds += time.perf_counter() - start
                     self._bytes_sent += nbytes
                     self._messages += 1
+                except Exception as e:
+                    # failed before the bytes are given back: a thread they wake sees it
+                    if self._phase is SendPhase.SENDING:
+                        self._set_phase(SendPhase.FAILED, e)
                 finally:
                     self._bytes_queued -= nbytes
-                    await self._release(nbytes)
-        except Exception as e:
-            if self._phase is SendPhase.SENDING:
-                self._set_phase(SendPhase.FAILED, e)
+                    self._release(nbytes)
         finally:
             del self._drainers[address]
             if self._phase is not SendPhase.SENDING:
-                await self._drop(queue)
+                self._drop(queue)
             if not self._drainers:
                 self._idle.set()
 
@@ -208,11 +236,11 @@ class CommBuffer:
             total += nbytes
         return batch, total
 
-    async def _drop(self, queue: deque[tuple[Packed, int]]) -> None:
+    def _drop(self, queue: deque[tuple[Packed, int]]) -> None:
         dropped = sum(nbytes for _, nbytes in queue)
         queue.clear()
         self._bytes_queued -= dropped
-        await self._release(dropped)
+        self._release(dropped)
 
     async def _send_with_retries(self, address: str, batch: list[Packed]) -> None:
         loop = asyncio.get_running_loop()
@@ -256,7 +284,7 @@ class CommBuffer:
             task.cancel()
         await asyncio.gather(*self._drainers.values(), return_exceptions=True)
         for queue in self._queues.values():
-            await self._drop(queue)
+            self._drop(queue)
 
     def statistics(self) -> CommStatistics:
         return CommStatistics(

@@ -1,14 +1,21 @@
 """Back-pressure on bytes held in a buffer.
 
-Where it runs: the data plane's event loop (loop-confined asyncio primitives).
+Where it runs: task threads wait in :meth:`ByteLimiter.acquire_blocking`; the data plane's
+event loop gives bytes back with :meth:`ByteLimiter.release`, which never blocks (one short
+critical section). Nothing here awaits: a task thread that has room queues its shards without
+a round trip to the loop.
 """
 
 from __future__ import annotations
 
-import asyncio
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rechunk_p2p.errors import RechunkRunError
+
+#: Longest a waiting thread sleeps before it asks its ``stop`` predicate again (seconds)
+_STOP_POLL = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +29,8 @@ class LimiterStatistics:
 
 
 class ByteLimiter:
-    """**Loop-confined.** Hold callers back while the bytes they hold exceed a limit.
+    """**Thread-safe (guarded by ``_lock``).** Hold callers back while the bytes they hold
+    exceed a limit.
 
     A single request larger than the limit is admitted when nothing else is held, so the
     limiter can never deadlock on one oversized shard batch.
@@ -35,35 +43,50 @@ class ByteLimiter:
 
     def __init__(self, limit: int) -> None:
         self.limit = int(limit)
-        self.used = 0
-        self.max_used = 0
-        self.waits = 0
-        self._condition: asyncio.Condition | None = None
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self._used = 0
+        self._max_used = 0
+        self._waits = 0
 
-    def _cond(self) -> asyncio.Condition:
-        if self._condition is None:
-            self._condition = asyncio.Condition()
-        return self._condition
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self._used
 
     def _fits(self, nbytes: int) -> bool:
-        return self.used == 0 or self.used + nbytes <= self.limit
+        return self._used == 0 or self._used + nbytes <= self.limit
 
-    async def acquire(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` fit under the limit, then hold them."""
-        if not self._fits(nbytes):
-            self.waits += 1
-            async with self._cond():
-                await self._cond().wait_for(lambda: self._fits(nbytes))
-        self.used += nbytes
-        self.max_used = max(self.max_used, self.used)
+    def acquire_blocking(self, nbytes: int, stop: Callable[[], bool] | None = None) -> bool:
+        """From a thread: wait until ``nbytes`` fit under the limit, then hold them.
 
-    async def release(self, nbytes: int) -> None:
-        """Give back ``nbytes`` and wake waiters."""
-        self.used -= nbytes
-        if self.used < 0:
-            raise RechunkRunError(f"Released more bytes than were held ({self.used})")
-        async with self._cond():
-            self._cond().notify_all()
+        Returns ``False``, holding nothing, as soon as ``stop()`` is true while waiting
+        (checked at least every 0.1 s, and whenever bytes are released).
+        """
+        with self._lock:
+            if not self._fits(nbytes):
+                self._waits += 1
+                while not self._fits(nbytes):
+                    if stop is not None and stop():
+                        return False
+                    self._freed.wait(_STOP_POLL)
+            self._used += nbytes
+            self._max_used = max(self._max_used, self._used)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` and wake waiters. Never blocks beyond the lock."""
+        with self._lock:
+            if nbytes > self._used:
+                raise RechunkRunError(f"Released {nbytes} bytes, {self._used} were held")
+            self._used -= nbytes
+            self._freed.notify_all()
+
+    def wake(self) -> None:
+        """Make waiters ask their ``stop`` predicate now (e.g. their run was closed)."""
+        with self._lock:
+            self._freed.notify_all()
 
     def statistics(self) -> LimiterStatistics:
-        return LimiterStatistics(self.limit, self.used, self.max_used, self.waits)
+        with self._lock:
+            return LimiterStatistics(self.limit, self._used, self._max_used, self._waits)

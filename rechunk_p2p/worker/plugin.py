@@ -214,6 +214,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 None if run_spec.spec.send_buffer_bytes is None
                 else ByteLimiter(run_spec.spec.send_buffer_bytes)
             ),
+            loop=dataplane.loop,
         )
         run = WorkerRun(
             run_spec, self.worker.address, store, storage, dataplane, self.offload, comm

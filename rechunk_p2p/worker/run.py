@@ -26,7 +26,7 @@ from rechunk_p2p.buffers.wire import (
     unpack_blocking,
 )
 from rechunk_p2p.errors import RechunkRunError, StaleRunError
-from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
+from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, widen
 from rechunk_p2p.worker.dataplane import DataPlane
 
@@ -178,8 +178,8 @@ class WorkerRun:
     def add_input_blocking(self, flat: int, data: np.ndarray) -> None:
         """Cut input chunk ``flat`` into shards and hand them to their workers.
 
-        Runs in a task thread; waits (one hop to the data plane loop) while this worker's
-        send buffer is full.
+        Runs in a task thread; waits while this worker's send buffer is full, and hands the
+        shards to the data plane loop without waiting for it.
         """
         self._raise_if_closed()
         spec = self.run_spec.spec
@@ -199,7 +199,7 @@ class WorkerRun:
         nbytes = self._store.write_blocking(local) if local else 0
         cut = time.perf_counter()
         if remote:
-            from_thread(self._dataplane.loop, self._comm.put, remote)
+            self._comm.put_blocking(remote)
         with self._lock:
             self._bytes_local += nbytes
             self._inputs += 1

@@ -22,14 +22,15 @@ def shard(out: int, inp: int, nbytes: int = 100) -> Packed:
 
 
 def put_all(comm: CommBuffer, items: dict[str, list[Packed]]):
-    """Queue every item, one ``put`` per item (as many transfer tasks would)."""
+    """Queue every item from a thread, one ``put_blocking`` per item (as many transfer tasks
+    would)."""
 
-    async def run():
+    def run():
         for address, packed in items.items():
             for p in packed:
-                await comm.put({address: p})
+                comm.put_blocking({address: p})
 
-    return run()
+    return asyncio.to_thread(run)
 
 
 class Recorder:
@@ -143,7 +144,7 @@ async def test_a_run_budget_holds_sends_back_within_the_worker_limit():
 
 
 @gen_test()
-async def test_a_put_cancelled_at_the_worker_limit_gives_the_run_budget_back():
+async def test_a_put_waiting_at_the_worker_limit_gives_the_run_budget_back_on_close():
     send = Recorder()
     send.release.clear()
     worker, run = ByteLimiter(100), ByteLimiter(10_000)
@@ -152,12 +153,27 @@ async def test_a_put_cancelled_at_the_worker_limit_gives_the_run_budget_back():
     blocked = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 1)]}))
     await asyncio.sleep(0.05)
     assert run.used == 200 and worker.used == 100  # waiting on the worker's limit
-    blocked.cancel()
-    await asyncio.gather(blocked, return_exceptions=True)
-    assert run.used == 100
-    send.release.set()
-    await comm.flush()
+    assert not blocked.done()
+    await comm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(blocked, 5)
     assert (run.used, worker.used) == (0, 0)
+
+
+@gen_test()
+async def test_a_put_waiting_for_room_fails_with_the_send_error():
+    """A thread waiting for room wakes with the error when a send fails for good."""
+    send = Recorder(fail_times=100)
+    send.release.clear()
+    comm, limiter = make(send, limit=100, message_bytes=100)
+    await put_all(comm, {"a": [shard(0, 0)]})
+    blocked = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 1)]}))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    send.release.set()
+    with pytest.raises(RechunkCommError, match="injected"):
+        await asyncio.wait_for(blocked, 5)
+    assert limiter.used == 0
 
 
 @gen_test()
@@ -198,7 +214,7 @@ async def test_a_silent_peer_fails_within_the_deadline():
         retry=RetryPolicy(count=3, delay_min=0.01, delay_max=0.02, timeout=0.3),
         name="Rechunk r (run 1) on w",
     )
-    await comm.put({"a": shard(0, 0)})
+    await put_all(comm, {"a": [shard(0, 0)]})
     start = asyncio.get_running_loop().time()
     with pytest.raises(RechunkCommError, match=r"data plane at a within 0\.3 s"):
         await comm.flush()
@@ -231,13 +247,28 @@ async def test_close_drops_queue_and_releases_bytes():
 @gen_test()
 async def test_limiter_admits_oversized_request_when_empty():
     limiter = ByteLimiter(10)
-    await asyncio.wait_for(limiter.acquire(100), 1)
+    assert await asyncio.wait_for(asyncio.to_thread(limiter.acquire_blocking, 100), 1)
     assert limiter.used == 100
-    waiter = asyncio.ensure_future(limiter.acquire(1))
+    waiter = asyncio.ensure_future(asyncio.to_thread(limiter.acquire_blocking, 1))
     await asyncio.sleep(0.01)
     assert not waiter.done()
-    await limiter.release(100)
-    await asyncio.wait_for(waiter, 1)
+    limiter.release(100)
+    assert await asyncio.wait_for(waiter, 1)
     assert limiter.statistics().max_used == 100
+    assert limiter.statistics().waits == 1
     with pytest.raises(RuntimeError):
-        await limiter.release(5)
+        limiter.release(5)
+
+
+@gen_test()
+async def test_limiter_waiter_gives_up_when_told_to_stop():
+    limiter = ByteLimiter(10)
+    limiter.acquire_blocking(10)
+    stop = False
+    waiter = asyncio.ensure_future(asyncio.to_thread(limiter.acquire_blocking, 5, lambda: stop))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    stop = True
+    limiter.wake()
+    assert await asyncio.wait_for(waiter, 1) is False
+    assert limiter.used == 10  # nothing taken
