@@ -158,11 +158,17 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
         await asyncio.sleep(0.005)
     assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
     assert gc.get_freeze_count() > frozen_before
+    made_during_run = [[] for _ in range(1000)]  # tracked objects, made while the run is open
+    frozen_open = gc.get_freeze_count()
+    gc.collect()
+    assert gc.get_freeze_count() >= frozen_open + len(made_during_run)  # survivors froze
     _TUNING_GATE.set()
     await fut
     del fut
     await assert_clean(s, a, b)
     assert sys.getswitchinterval() == before
+    assert gc.get_freeze_count() == frozen_before
+    gc.collect()  # no longer freezes survivors
     assert gc.get_freeze_count() == frozen_before
 
 
