@@ -13,11 +13,10 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import STORE_KINDS, Shard, ShardStore, StoreKind, StoreStatistics
 from rechunk_p2p.buffers.disk import DiskShardStore
-from rechunk_p2p.buffers.memory import AssemblingShardStore, MemoryShardStore, OutputLayout
+from rechunk_p2p.buffers.memory import MemoryShardStore
 from rechunk_p2p.errors import RechunkInputError
 
 __all__ = [
-    "AssemblingShardStore",
     "DiskShardStore",
     "MemoryShardStore",
     "Shard",
@@ -33,7 +32,6 @@ def make_store(
     dtype: np.dtype,
     directory: str | os.PathLike[str] | None,
     name: str,
-    layout: OutputLayout | None = None,
 ) -> ShardStore:
     """Create an empty shard store.
 
@@ -51,10 +49,6 @@ def make_store(
     name
         Names the store in error messages (and its directory); for example the rechunk's
         id, run id and sub-shuffle.
-    layout
-        For ``"memory"``: the outputs' shapes and each shard's place in its output; the
-        store then places shards into their outputs as they arrive
-        (:class:`AssemblingShardStore`) instead of keeping them.
 
     Examples
     --------
@@ -67,8 +61,6 @@ def make_store(
     >>> store.close_blocking()
     """
     if kind == "memory":
-        if layout is not None:
-            return AssemblingShardStore(dtype, name, layout)
         return MemoryShardStore(dtype, name)
     if kind == "disk":
         return DiskShardStore(dtype, directory, name)

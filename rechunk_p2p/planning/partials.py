@@ -183,27 +183,6 @@ class Partial:
         cuts = [by_new.get(i, ([], [])) for by_new, i in zip(self._cuts_by_new, local)]
         return _pair_up(cuts, self.old_grid)
 
-    @cached_property
-    def _new_slices(self) -> tuple[dict[tuple[int, int], slice], ...]:
-        """Per axis: (old chunk, new chunk) -> the slice of the new chunk they share."""
-        return tuple({(p.old, p.new): p.new_slice for p in pieces} for pieces in self._pieces)
-
-    def placement(self, output: int, input_: int) -> tuple[slice, ...]:
-        """Where the shard of input chunk ``input_`` lies in output chunk ``output`` (flat
-        indices); ``KeyError`` if the two do not intersect.
-
-        >>> p = Partial((0,), (0,), (0,), ((3, 3),), ((2, 4),))
-        >>> p.placement(1, 0), p.placement(1, 1)
-        ((slice(0, 1, None),), (slice(1, 4, None),))
-        """
-        outs, ins = _unravel(output, self.new_grid), _unravel(input_, self.old_grid)
-        return tuple(by[i, o] for by, i, o in zip(self._new_slices, ins, outs))
-
-    def n_shards_of_output(self, flat: int) -> int:
-        """Number of input chunks that hold a piece of output chunk ``flat``."""
-        local = _unravel(flat, self.new_grid)
-        return math.prod(len(by_new.get(i, ())) for by_new, i in zip(self._by_new, local))
-
     def inputs_of_output(
         self, flat: int
     ) -> Iterator[tuple[NDIndex, tuple[slice, ...], tuple[slice, ...]]]:

@@ -192,8 +192,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
             dtype=run_spec.spec.dtype,
             directory=directory,
             name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
-            # outputs of known shape are built as their shards arrive
-            layout=None if run_spec.spec.unknown_axes else run_spec.spec.partial,
         )
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 

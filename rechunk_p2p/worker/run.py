@@ -18,7 +18,6 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
-from rechunk_p2p.buffers.memory import AssemblingShardStore, MemoryShardStore
 from rechunk_p2p.buffers.wire import (
     Packed,
     cut_regular_blocking,
@@ -170,11 +169,6 @@ class WorkerRun:
             self._phase = phase
             return previous
 
-    @property
-    def _keeps_arrays(self) -> bool:
-        """Whether the store keeps the arrays written to it (it does not copy them)."""
-        return isinstance(self._store, MemoryShardStore)
-
     def _raise_if_closed(self) -> None:
         if self.phase is RunPhase.CLOSED:
             raise StaleRunError(f"{self!r} is closed")
@@ -243,7 +237,7 @@ class WorkerRun:
             lo, hi = int(chosen[0]), int(chosen[-1]) + 1
             part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
             if position == me:
-                if self._keeps_arrays and len(chosen) < len(blocks):
+                if self.storage == "memory" and len(chosen) < len(blocks):
                     part = part.copy()  # the store keeps it: do not pin the whole copy
                 local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))
             else:
@@ -262,7 +256,7 @@ class WorkerRun:
     ) -> tuple[list[Shard], dict[str, Packed]]:
         """:meth:`_cut_blocking` shard by shard (irregular cuts, object dtype)."""
         run_spec = self.run_spec
-        copy_local = self._keeps_arrays
+        copy_local = self.storage == "memory"
         local: list[Shard] = []
         remote: defaultdict[str, list[Shard]] = defaultdict(list)
         for out, position, piece in zip(
@@ -286,21 +280,13 @@ class WorkerRun:
         start = time.perf_counter()
         spec = self.run_spec.spec
         partial = spec.partial
-        if isinstance(self._store, AssemblingShardStore):
-            out, received = self._store.take_blocking(flat)
-            complete = len(received) == partial.n_shards_of_output(flat)  # no duplicates
-            if out is None and complete:  # an output without elements
-                out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+        placement = dict(partial.shards_of_output(flat))
+        if spec.unknown_axes:
+            out, received = self._read_unknown_blocking(flat, placement)
         else:
-            placement = dict(partial.shards_of_output(flat))
-            if spec.unknown_axes:
-                out, received = self._read_unknown_blocking(flat, placement)
-            else:
-                out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
-                received = self._store.read_into_blocking(flat, out, placement)
-            complete = len(received) == len(placement) and set(received) == set(placement)
-        if not complete:
-            placement = dict(partial.shards_of_output(flat))
+            out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+            received = self._store.read_into_blocking(flat, out, placement)
+        if len(received) != len(placement) or set(received) != set(placement):
             missing = sorted(set(placement) - set(received))
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
