@@ -13,21 +13,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import dask
 import dask.array as da
 import numpy as np
 from dask.array.core import normalize_chunks
 from dask.array.utils import validate_axis
 from dask.base import tokenize
-from dask.utils import parse_bytes
 
 from rechunk_p2p import config
 from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
 from rechunk_p2p.planning import RechunkPlan
-from rechunk_p2p.planning.axes import Chunks, element_bytes
-from rechunk_p2p.planning.merge import merge_inputs
+from rechunk_p2p.planning.axes import Chunks
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +46,6 @@ def rechunk_array(
     the_plan = _make_plan(x, new, block_size_limit, n_workers=1)
     ensure_registered()
     token = tokenize(x, new, storage, the_plan)  # the plan: settings that shape the graph
-    if the_plan.merged:  # merge thin inputs first (plain tasks)
-        merged = tuple(
-            x.chunks[axis] if axis in unknown else c
-            for axis, c in enumerate(the_plan.old_chunks)
-        )
-        x = x.rechunk(merged, method="tasks")
     logger.debug("rechunk_p2p: %s -> %s runs on the P2P engine (token %s)", x.name, new, token)
     if _is_expression(x):  # dask's array query planning
         from rechunk_p2p.integrations.array_expr import p2p_rechunk_expr
@@ -102,24 +93,15 @@ def _planned(chunks: Chunks, unknown: tuple[int, ...]) -> Chunks:
 def _make_plan(
     x: da.Array, new: Chunks, block_size_limit: int | None, n_workers: int
 ) -> RechunkPlan:
-    """The plan of the shuffle, from ``x``'s chunks merged where thin inputs would make
-    many tiny shards (see :mod:`rechunk_p2p.planning.merge`)."""
-    itemsize = element_bytes(x.dtype)
+    """The plan of the shuffle of ``x``'s own chunks (nothing moves them before it)."""
     unknown = _unknown_axes(x)
     old, new = _planned(x.chunks, unknown), _planned(new, unknown)
-    shape = tuple(sum(c) for c in old)
-    merged = old
-    if math.prod(shape) * itemsize >= config.get_bytes("merge.min-array-bytes"):
-        limit = block_size_limit or parse_bytes(dask.config.get("array.chunk-size"))
-        shard_bytes = config.get_bytes("merge.shard-bytes")
-        merged = merge_inputs(old, new, itemsize, int(limit), shard_bytes)
     return RechunkPlan(
-        shape,
+        tuple(sum(c) for c in old),
         x.dtype,
-        merged,
+        old,
         new,
         n_workers=max(int(n_workers), 1),
-        source_chunks=old,
         unknown_axes=unknown,
         send_buffer_bytes=config.get_optional_bytes("comm.run-buffer-bytes"),
         partial_bytes=config.get_bytes("partial-bytes"),

@@ -19,6 +19,7 @@ from rechunk_p2p.buffers.base import (
     owned_array,
     place_blocking,
 )
+from rechunk_p2p.errors import RechunkRunError
 
 
 class MemoryShardStore:
@@ -96,6 +97,46 @@ class MemoryShardStore:
             if input_ in placement:
                 place_blocking(out, placement[input_], array)
         return list(arrays)
+
+    def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
+        """Copy the shards of ``output`` one after another into C-contiguous ``out``, in the
+        order of the inputs ``order``, and discard them.
+
+        For outputs whose shards lie one after another in memory
+        (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`): one memory move per shard
+        with the GIL held, nothing else per shard. Returns the inputs placed, in order,
+        stopping at the first one missing. Not for object dtype.
+
+        Raises
+        ------
+        RechunkRunError
+            The store is closed, or the shards do not fill ``out`` exactly.
+        """
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            arrays = self._data.pop(output, {})
+            self._ledger.read(sum(a.nbytes for a in arrays.values()))
+        target = memoryview(out.reshape(-1).view(np.uint8))
+        placed: list[int] = []
+        offset = 0
+        for input_ in order:
+            array = arrays.get(input_)
+            if array is None:
+                return placed
+            source = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            end = offset + source.nbytes
+            if end > target.nbytes:
+                break
+            target[offset:end] = source
+            offset = end
+            placed.append(input_)
+        if offset != target.nbytes:
+            raise RechunkRunError(
+                f"The shards of output {output} in store {self.name!r} hold {offset} of its "
+                f"{target.nbytes} bytes"
+            )
+        return placed
 
     def close_blocking(self) -> None:
         """Drop every array; idempotent."""

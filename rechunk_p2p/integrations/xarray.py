@@ -172,7 +172,7 @@ def plan_xarray(
         data = var.chunk().data if var.chunks is None else var.data
         axes = {var.dims.index(d): spec for d, spec in own.items()}
         the_plan = _variable_plan(name, var.dims, data, axes, block_size_limit, balance, n_workers)
-        if the_plan.old_chunks != the_plan.new_chunks or the_plan.merged:
+        if the_plan.old_chunks != the_plan.new_chunks:
             plans[name] = the_plan
     return DatasetRechunkPlan(plans)
 

@@ -184,10 +184,10 @@ def rechunk_zarr(
         inspect (``.plan``) and run later (``.execute()``), as rechunker's ``rechunk`` does.
     max_mem : int or str, optional
         Memory budget per worker, as rechunker's ``max_mem`` (``"2GB"``): shards wait in
-        memory only if a worker's share of them fits in it (else on local disk), input
-        chunks are merged only up to it, and a worker holds at most half of it in shards
-        queued for sending (``rechunk-p2p.comm.run-buffer-bytes``). Default: decide by the
-        workers' memory limits (``rechunk-p2p.storage: auto``).
+        memory only if a worker's share of them fits in it (else on local disk), and a
+        worker holds at most half of it in shards queued for sending
+        (``rechunk-p2p.comm.run-buffer-bytes``). Default: decide by the workers' memory
+        limits (``rechunk-p2p.storage: auto``).
     storage_options : dict, optional
         fsspec options for a source or target given as a URL (``s3://bucket/data.zarr``,
         ``gs://...``): credentials, ``endpoint_url`` via ``client_kwargs`` and so on.
@@ -443,8 +443,8 @@ def store_arrays(
 
     The rechunk's output chunks are the targets' write units, so every chunk (or shard)
     is written whole, once, without locks. ``storage`` is set around graph construction;
-    ``limit`` (a ``max_mem`` budget) bounds merged input blocks (``block_size_limit``), and
-    half of it bounds each worker's queue of the rechunk's shards waiting to be sent.
+    ``limit`` (a ``max_mem`` budget) is the rechunk's ``block_size_limit``, and half of it
+    bounds each worker's queue of the rechunk's shards waiting to be sent.
     """
     settings = _budget_settings(limit)
     if storage:

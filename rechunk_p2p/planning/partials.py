@@ -183,6 +183,27 @@ class Partial:
         cuts = [by_new.get(i, ([], [])) for by_new, i in zip(self._cuts_by_new, local)]
         return _pair_up(cuts, self.old_grid)
 
+    def stacked_inputs(self, flat: int) -> list[int] | None:
+        """The inputs of output chunk ``flat`` in the order their shards lie one after another
+        in the output's memory (C order), when they do; ``None`` when a shard is a strided
+        region of the output.
+
+        They do when the output is cut along one axis only and has extent 1 along every
+        axis before it: maps to time series, row blocks to column blocks.
+
+        >>> Partial((0, 0), (0, 0), (0, 0), ((1, 1), (4,)), ((2,), (2, 2))).stacked_inputs(1)
+        [0, 1]
+        >>> Partial((0, 0), (0, 0), (0, 0), ((2,), (2, 2)), ((2,), (4,))).stacked_inputs(0)
+        """
+        local = _unravel(flat, self.new_grid)
+        cuts = [by_new.get(i, ([], [])) for by_new, i in zip(self._cuts_by_new, local)]
+        split = [a for a, (indices, _) in enumerate(cuts) if len(indices) > 1]
+        if len(split) > 1 or any(
+            self.new_chunks[a][local[a]] != 1 for a in range(split[0] if split else 0)
+        ):
+            return None
+        return [i for i, _ in _pair_up(cuts, self.old_grid)]
+
     def inputs_of_output(
         self, flat: int
     ) -> Iterator[tuple[NDIndex, tuple[slice, ...], tuple[slice, ...]]]:

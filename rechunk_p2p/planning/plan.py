@@ -128,7 +128,6 @@ class RechunkPlan:
     old_chunks: Chunks
     new_chunks: Chunks
     n_workers: int = 1
-    source_chunks: Chunks | None = None
     unknown_axes: tuple[int, ...] = ()
     send_buffer_bytes: int | None = None
     partial_bytes: int = 0
@@ -167,14 +166,9 @@ class RechunkPlan:
         return sum(p.needs_shuffle for p in self.partials)
 
     @property
-    def merged(self) -> bool:
-        """Whether the array's chunks are merged (by plain tasks) before the shuffle."""
-        return self.source_chunks is not None and self.source_chunks != self.old_chunks
-
-    @property
     def n_input_chunks(self) -> int:
         """Chunks of the array before the rechunk."""
-        return math.prod(len(c) for c in (self.source_chunks or self.old_chunks))
+        return math.prod(len(c) for c in self.old_chunks)
 
     @property
     def n_output_chunks(self) -> int:
@@ -188,10 +182,9 @@ class RechunkPlan:
     @cached_property
     def n_tasks(self) -> int:
         """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
-        one unpack per output; one task per output chunk elsewhere; one per merged input."""
+        one unpack per output; one task per output chunk elsewhere."""
         shuffled = [p for p in self.partials if p.needs_shuffle]
-        merges = math.prod(len(c) for c in self.old_chunks) if self.merged else 0
-        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled) + merges
+        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled)
 
     @property
     def itemsize(self) -> int:
@@ -240,13 +233,10 @@ class RechunkPlan:
             ("engine", "rechunk_p2p (P2P shuffle)"),
             (
                 "chunks",
-                f"{_chunk_summary(self.source_chunks or self.old_chunks)} -> "
+                f"{_chunk_summary(self.old_chunks)} -> "
                 f"{_chunk_summary(self.new_chunks)}",
             ),
         ]
-        if self.merged and self.source_chunks is not None:
-            merged = f"{_chunk_summary(self.source_chunks)} -> {_chunk_summary(self.old_chunks)}"
-            rows.append(("merged", f"{merged} by plain tasks before the shuffle"))
         if self.unknown_axes:
             rows.append(
                 (

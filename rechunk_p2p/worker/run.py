@@ -18,6 +18,7 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
+from rechunk_p2p.buffers.memory import MemoryShardStore
 from rechunk_p2p.buffers.wire import (
     Packed,
     cut_regular_blocking,
@@ -280,13 +281,21 @@ class WorkerRun:
         start = time.perf_counter()
         spec = self.run_spec.spec
         partial = spec.partial
-        placement = dict(partial.shards_of_output(flat))
-        if spec.unknown_axes:
-            out, received = self._read_unknown_blocking(flat, placement)
-        else:
+        stacked = self._stacked_inputs(flat)
+        if stacked is not None:  # the output is its shards one after another
             out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
-            received = self._store.read_into_blocking(flat, out, placement)
-        if len(received) != len(placement) or set(received) != set(placement):
+            received = self._store.read_stacked_blocking(flat, out, stacked)
+            complete = received == stacked
+        else:
+            placement = dict(partial.shards_of_output(flat))
+            if spec.unknown_axes:
+                out, received = self._read_unknown_blocking(flat, placement)
+            else:
+                out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+                received = self._store.read_into_blocking(flat, out, placement)
+            complete = len(received) == len(placement) and set(received) == set(placement)
+        if not complete:
+            placement = dict(partial.shards_of_output(flat))
             missing = sorted(set(placement) - set(received))
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
@@ -297,6 +306,14 @@ class WorkerRun:
             self._outputs += 1
             self._seconds["assemble"] += time.perf_counter() - start
         return out
+
+    def _stacked_inputs(self, flat: int) -> list[int] | None:
+        """The inputs of output ``flat`` in memory order, if the memory store can lay them
+        one after another (see :meth:`MemoryShardStore.read_stacked_blocking`)."""
+        spec = self.run_spec.spec
+        if not isinstance(self._store, MemoryShardStore) or spec.unknown_axes:
+            return None
+        return None if spec.dtype.hasobject else spec.partial.stacked_inputs(flat)
 
     def _read_unknown_blocking(
         self, flat: int, placement: dict[int, tuple[slice, ...]]

@@ -1,0 +1,84 @@
+"""Outputs whose shards lie one after another in memory are read by one move per shard."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rechunk_p2p.buffers import MemoryShardStore
+from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.planning import Partial
+
+
+def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> Partial:
+    zeros = (0,) * len(old)
+    return Partial(zeros, zeros, zeros, old, new)
+
+
+def write_all(store: MemoryShardStore, partial: Partial, data: np.ndarray) -> None:
+    """Every shard of ``data`` (the partial's whole array), as the engine cuts them."""
+    starts = [np.cumsum((0, *c)) for c in partial.old_chunks]
+    for flat, index in enumerate(itertools.product(*(range(n) for n in partial.old_grid))):
+        chunk = data[tuple(slice(s[i], s[i + 1]) for s, i in zip(starts, index))]
+        store.write_blocking(
+            (out, flat, chunk[where]) for out, where in partial.shards_of_input(flat)
+        )
+
+
+def chunks_summing_to(n: int) -> st.SearchStrategy[tuple[int, ...]]:
+    cuts = st.lists(st.integers(1, n - 1), max_size=3) if n > 1 else st.just([])
+    return cuts.map(lambda c: tuple(np.diff([0, *sorted(set(c)), n]).tolist()))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=3).flatmap(
+        lambda shape: st.tuples(
+            st.tuples(*(chunks_summing_to(n) for n in shape)),
+            st.tuples(*(chunks_summing_to(n) for n in shape)),
+            st.sampled_from(["f8", "i2", ">u4", "U3"]),
+        )
+    )
+)
+def test_stacked_outputs_match_the_placed_ones(case):
+    old, new, dtype = case
+    partial = partial_of(old, new)
+    shape = tuple(sum(c) for c in old)
+    data = np.arange(int(np.prod(shape))).astype(dtype).reshape(shape)
+    stacked, placed = MemoryShardStore(data.dtype, "s"), MemoryShardStore(data.dtype, "p")
+    write_all(stacked, partial, data)
+    write_all(placed, partial, data)
+    for flat in range(partial.n_outputs):
+        want = np.empty(partial.output_shape(flat), data.dtype)
+        placement = dict(partial.shards_of_output(flat))
+        assert sorted(placed.read_into_blocking(flat, want, placement)) == sorted(placement)
+        order = partial.stacked_inputs(flat)
+        if order is None:
+            continue
+        assert sorted(order) == sorted(placement)
+        got = np.empty_like(want)
+        assert stacked.read_stacked_blocking(flat, got, order) == order
+        np.testing.assert_array_equal(got, want)
+
+
+def test_maps_to_time_series_and_rows_to_columns_are_stacked_blocks_to_tiles_are_not():
+    assert partial_of(((1,) * 4, (8,)), ((4,), (4, 4))).stacked_inputs(1) == [0, 1, 2, 3]
+    assert partial_of(((2, 2), (4,)), ((4,), (2, 2))).stacked_inputs(0) == [0, 1]
+    assert partial_of(((2, 2), (2, 2)), ((4,), (4,))).stacked_inputs(0) is None
+
+
+def test_a_missing_shard_stops_the_read_and_a_wrong_size_raises():
+    store = MemoryShardStore(np.dtype("f8"), "m")
+    store.write_blocking([(0, 0, np.ones((1, 2))), (0, 2, np.ones((1, 2)))])
+    out = np.empty((3, 2))
+    assert store.read_stacked_blocking(0, out, [0, 1, 2]) == [0]  # the caller names input 1
+    store.write_blocking([(1, 0, np.ones((1, 2))), (1, 1, np.ones((1, 3)))])
+    with pytest.raises(RechunkRunError, match="hold 40 of its 48 bytes"):
+        store.read_stacked_blocking(1, np.empty((3, 2)), [0, 1])
+    store.close_blocking()
+    with pytest.raises(RechunkRunError, match="closed"):
+        store.read_stacked_blocking(1, out, [0])
