@@ -6,12 +6,6 @@ Two ways: an in-process scheduler started with ``preload=["rechunk_p2p"]`` (gen_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-import time
-
 import dask.array as da
 import numpy as np
 import pytest
@@ -19,6 +13,7 @@ from distributed import Client
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
+from tests.cli_processes import cli_env, start_scheduler, start_worker, stop
 from tests.conftest import assert_clean, assert_clean_sync
 from tests.engine_helpers import PLUGIN, TWO, check_result
 
@@ -41,70 +36,21 @@ async def test_preloaded_scheduler_in_process(c, s, a, b):
     await assert_clean(s, a, b)
 
 
-def _start(module: str, *args: str, env: dict[str, str]) -> subprocess.Popen:
-    """``python -m distributed.cli.<module> ...``: what ``dask scheduler``/``dask worker`` run."""
-    # a file, not a pipe (a full pipe would block a chatty process); _stop closes it
-    log = tempfile.TemporaryFile()  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", f"distributed.cli.{module}", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
-    process.log = log  # type: ignore[attr-defined]
-    return process
-
-
-def _stop(process: subprocess.Popen) -> str:
-    """Terminate the process; return the end of its log."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    with process.log:  # type: ignore[attr-defined]
-        process.log.seek(0)  # type: ignore[attr-defined]
-        return process.log.read().decode(errors="replace")[-3000:]  # type: ignore[attr-defined]
-
-
 @pytest.fixture
 def preloaded_cluster(tmp_path):
     """``dask scheduler --preload rechunk_p2p`` and two ``dask worker`` processes."""
     scheduler_file = str(tmp_path / "scheduler.json")
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    scheduler = _start(
-        "dask_scheduler",
-        *("--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0"),
-        *("--scheduler-file", scheduler_file, "--preload", "rechunk_p2p"),
-        env=env,
-    )
-    processes = [scheduler]
+    env = cli_env()
+    processes = [start_scheduler(scheduler_file, env)]
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(scheduler_file):
-            assert scheduler.poll() is None, _stop(scheduler)
-            assert time.monotonic() < deadline, "the scheduler did not start"
-            time.sleep(0.1)
-        worker_args = ("--scheduler-file", scheduler_file, "--nthreads", "1", "--no-nanny")
         for _ in range(2):
-            processes.append(
-                _start(
-                    "dask_worker",
-                    *worker_args,
-                    *("--dashboard-address", ":0", "--local-directory", str(tmp_path)),
-                    env=env,
-                )
-            )
+            processes.append(start_worker(scheduler_file, str(tmp_path), env))
         with Client(scheduler_file=scheduler_file, timeout="30s") as client:
             client.wait_for_workers(2, timeout=60)
             yield client
     finally:
         for process in reversed(processes):
-            _stop(process)
+            stop(process)
 
 
 def test_preloaded_scheduler_from_the_command_line(preloaded_cluster):
