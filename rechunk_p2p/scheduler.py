@@ -20,6 +20,7 @@ from rechunk_p2p.errors import ClusterError, StaleRunError
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
+    TRANSFER_PREFIX,
     RunId,
     RunSpec,
     ShuffleId,
@@ -44,6 +45,8 @@ class SchedulerRun:
     run_spec: RunSpec
     participants: set[str] = field(default_factory=set)
     restricted: dict[Any, Any] = field(default_factory=dict)
+    owners: frozenset[str] = frozenset()  # the workers that assemble outputs
+    departed: set[str] = field(default_factory=set)  # workers that left the run on its way
 
     @property
     def shuffle_id(self) -> ShuffleId:
@@ -73,6 +76,9 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self._stale_rounds = itertools.count()
         self._shifts = itertools.count()
         self.runs_created = 0
+        self.restarts_saved = 0  # workers that left a run without restarting it
+        # transfer key -> the worker that computed it, while its result is in memory
+        self._computed_on: dict[Any, str] = {}
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -123,7 +129,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             dataplanes=tuple(dataplanes[w] for w in workers),
             shift=next(self._shifts) % len(workers),
         )
-        run = SchedulerRun(run_spec)
+        run = SchedulerRun(run_spec, owners=run_spec.owners())
         self._pin_outputs(run)
         self.active[shuffle_id] = run
         self.runs_created += 1
@@ -203,14 +209,18 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         targets = [w for w in run.participants if w in self.scheduler.workers]
         results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
         for worker, result in results.items():
+            failed = isinstance(result, Exception) or (
+                isinstance(result, dict) and result.get("error") is not None
+            )
+            left = worker in run.departed or worker not in self.scheduler.workers
+            if failed and (left or self.active.get(shuffle_id) is not run):
+                # restarted meanwhile, or the worker left: remove_worker re-ran what it
+                # owed the run (or restarted it); the barrier runs again after that
+                return {"status": "OK", "restarted": True}
             if isinstance(result, dict) and result.get("error") is not None:
-                if self.active.get(shuffle_id) is not run:
-                    return {"status": "OK", "restarted": True}  # restarted meanwhile
                 logger.warning("Rechunk %s (run %s) failed on %s", shuffle_id, current, worker)
                 return {"status": "OK", "error": result["error"]}  # pickled; passed on unopened
             if isinstance(result, Exception):
-                if self.active.get(shuffle_id) is not run:
-                    return {"status": "OK", "restarted": True}  # restarted meanwhile
                 logger.warning(
                     "Rechunk %s (run %s) failed to flush its shards on %s: %r",
                     shuffle_id,
@@ -234,8 +244,13 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             self._restart(shuffle_id, stimulus_id)
             return
         spec = run.run_spec.spec
-        keys = {_transfer_key(dt.key, spec): dt.key for dt in barrier.dependencies}
-        recs = {keys[spec.inputs[i]]: "released" for i in stale if spec.inputs[i] in keys}
+        deps = {_transfer_key(dt.key, spec): dt for dt in barrier.dependencies}
+        recs = {
+            ts.key: "released"
+            for i in stale
+            if spec.inputs[i] in deps
+            for ts in _transfer_chain(deps[spec.inputs[i]])
+        }
         recs[barrier.key] = "released"
         logger.info(
             "Rechunk %s: %d transfers ran for an older run; running them for run %d",
@@ -262,7 +277,14 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     # --- lifecycle ------------------------------------------------------------------------
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        """Forget a run once its barrier is released, erred or forgotten."""
+        """Note where each transfer ran; forget a run once its barrier is released, erred or
+        forgotten."""
+        if isinstance(key, tuple) and TRANSFER_PREFIX in key[0]:
+            if finish == "memory" and "worker" in kwargs:
+                self._computed_on[key] = kwargs["worker"]
+            elif finish in ("released", "erred", "forgotten"):
+                self._computed_on.pop(key, None)
+            return
         if finish not in ("released", "erred", "forgotten"):
             return
         if finish == "released" and kwargs.get("stimulus_id", "").startswith(_STALE_STIMULUS):
@@ -287,11 +309,14 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def remove_worker(
         self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
     ) -> None:
-        """A worker left: restart every run it took part in, with a new run id."""
+        """A worker left. A run it assembles outputs for restarts, with a new run id; a run it
+        only sent shards for goes on without it (see :meth:`_go_on_without`)."""
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         dataplanes.pop(worker, None)
         for shuffle_id, run in list(self.active.items()):
-            if worker in run.workers:
+            if worker in run.workers and worker not in run.owners:
+                self._go_on_without(shuffle_id, run, worker)
+            elif worker in run.workers:
                 logger.warning(
                     "Worker %s left during rechunk %s (run %d); restarting it",
                     worker,
@@ -300,6 +325,41 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 )
                 self._close(shuffle_id, reason=f"worker {worker} left")
                 self._restart(shuffle_id, stimulus_id)
+
+    def _go_on_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
+        """A worker that assembles no output of the run left (killed, or retired).
+
+        Before the barrier passed, shards of the transfers it ran may not have been
+        delivered: those transfers run again on other workers (receivers drop shards they
+        already hold) and the barrier waits for them; transfers whose results were lost with
+        the worker are recomputed by the scheduler anyway. After the barrier passed, every
+        shard was delivered and the run needs nothing of the worker.
+        """
+        run.participants.discard(worker)
+        run.departed.add(worker)
+        self.restarts_saved += 1
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None or barrier.state not in _BARRIER_PENDING:
+            return
+        ran_there = [
+            chain
+            for chain in map(_transfer_chain, barrier.dependencies)
+            if any(self._computed_on.get(ts.key) == worker for ts in chain)
+        ]
+        recs = {ts.key: "released" for chain in ran_there for ts in chain if ts.state == "memory"}
+        if barrier.state == "processing":  # it may have flushed before the worker left
+            recs[barrier.key] = "released"
+        logger.info(
+            "Worker %s (no outputs) left rechunk %s (run %d): running its %d transfers again",
+            worker,
+            shuffle_id,
+            run.run_spec.run_id,
+            len(ran_there),
+        )
+        if recs:
+            stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
+            self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+            self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
     def _restart(self, shuffle_id: ShuffleId, stimulus_id: str) -> None:
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
@@ -315,6 +375,21 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
 
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
+        self._computed_on.clear()
+
+
+def _transfer_chain(dependency: Any) -> list[Any]:
+    """A barrier's dependency and, when it is an alias dask's fusion left (the input's
+    chain fused into a task of another name), the transfer task it points to: to run a
+    transfer again, both are released (releasing the alias alone would return the old
+    result)."""
+    return [dependency] + [
+        ts for ts in dependency.dependencies if TRANSFER_PREFIX in _key_name(ts.key)
+    ]
+
+
+def _key_name(key: Any) -> str:
+    return key[0] if isinstance(key, tuple) else str(key)
 
 
 def _transfer_key(key: Any, spec: ShuffleSpec) -> int:

@@ -201,6 +201,14 @@ class RunSpec:
         n, w = max(len(spec.outputs), 1), len(self.workers)
         return (ranks * w // n + self.shift) % w
 
+    def owners(self) -> frozenset[str]:
+        """The workers that assemble at least one output of the run."""
+        spec = self.spec
+        if not spec.outputs:
+            return frozenset()
+        positions = np.unique(self.worker_positions(np.asarray(spec.outputs, dtype=np.int64)))
+        return frozenset(self.workers[p] for p in positions.tolist())
+
     def worker_for(self, flat: int) -> str:
         """The worker that assembles output ``flat``."""
         return self.workers[self.worker_position(flat)]

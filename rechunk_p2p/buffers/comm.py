@@ -271,11 +271,11 @@ class CommBuffer:
         )
 
     async def flush(self) -> None:
-        """Wait until everything queued was delivered; raise the first send error, if any."""
+        """Wait until everything queued was delivered; raise the first send error, if any,
+        and :class:`StaleRunError` if the buffer was closed meanwhile (its queue dropped)."""
         while self._drainers:
             await self._idle.wait()
-        if self._exception is not None:
-            raise self._exception
+        self._raise_if_unusable()
 
     async def close(self) -> None:
         """Stop sending, drop what is queued and give its bytes back to the limiter."""

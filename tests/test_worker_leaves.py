@@ -1,0 +1,99 @@
+"""A worker leaves mid-rechunk (``retire_workers``, or gone): who restarts what.
+
+A worker that assembles no output of a run (a bystander) leaves without restarting it: only
+the transfers it ran are run again, elsewhere. A worker that assembles outputs restarts the
+run (its shards are gone with it); nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import dask.array as da
+import numpy as np
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from tests.conftest import assert_clean
+from tests.engine_helpers import PLUGIN, THREE, check_result
+
+
+def _slow(block):
+    time.sleep(0.03)  # keep the transfers running while a worker leaves
+    return block
+
+
+async def _never(*args, **kwargs) -> None:
+    """A data-plane send that never completes."""
+    await asyncio.Event().wait()
+
+
+async def _run_once_active(s) -> object:
+    plugin = s.plugins[PLUGIN]
+    while not plugin.active:
+        await asyncio.sleep(0.005)
+    (run,) = plugin.active.values()
+    return run
+
+
+def _rechunk(n_outputs: int) -> tuple[da.Array, np.ndarray]:
+    """60 slow row blocks -> ``n_outputs`` column blocks (fewer than 3: a bystander)."""
+    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
+    x = da.from_array(arr, chunks=(1, 60)).map_blocks(_slow)
+    return rechunk_p2p.rechunk(x, (60, 60 // n_outputs)), arr
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_a_retiring_bystander_does_not_restart_the_rechunk(c, s, *workers):
+    await rechunk_p2p.register(c)
+    y, arr = _rechunk(n_outputs=2)
+    future = c.compute(y)
+    run = await _run_once_active(s)
+    (bystander,) = set(run.run_spec.workers) - run.owners
+    worker = next(w for w in workers if w.address == bystander)
+    worker.plugins[PLUGIN].dataplane.send = _never  # injected: its shards never arrive
+    while not worker.state.executed_count:
+        await asyncio.sleep(0.005)  # it ran transfers; their results move, their shards not
+    await c.retire_workers([bystander], close_workers=True)
+    check_result(await asyncio.wait_for(future, 60), arr)
+    plugin = s.plugins[PLUGIN]
+    assert plugin.runs_created == 1  # no restart
+    assert plugin.restarts_saved == 1
+    del future
+    await assert_clean(s, *(w for w in workers if w.address != bystander))
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_a_bystander_closing_abruptly_does_not_restart_the_rechunk(c, s, *workers):
+    await rechunk_p2p.register(c)
+    y, arr = _rechunk(n_outputs=2)
+    future = c.compute(y)
+    run = await _run_once_active(s)
+    (bystander,) = set(run.run_spec.workers) - run.owners
+    worker = next(w for w in workers if w.address == bystander)
+    worker.plugins[PLUGIN].dataplane.send = _never  # injected: its shards never arrive
+    while not worker.state.executed_count:
+        await asyncio.sleep(0.005)
+    await worker.close()  # no retirement: its results and queued sends are simply gone
+    check_result(await asyncio.wait_for(future, 60), arr)
+    assert s.plugins[PLUGIN].runs_created == 1
+    del future
+    await assert_clean(s, *(w for w in workers if w is not worker))
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_a_retiring_owner_restarts_the_rechunk_and_loses_nothing(c, s, *workers):
+    await rechunk_p2p.register(c)
+    y, arr = _rechunk(n_outputs=6)
+    future = c.compute(y)
+    run = await _run_once_active(s)
+    owner = sorted(run.owners)[0]
+    while not any(w.address == owner and w.state.executed_count for w in workers):
+        await asyncio.sleep(0.005)
+    await c.retire_workers([owner], close_workers=True)
+    check_result(await asyncio.wait_for(future, 60), arr)
+    plugin = s.plugins[PLUGIN]
+    assert plugin.runs_created == 2 and plugin.restarts_saved == 0
+    del future
+    await assert_clean(s, *(w for w in workers if w.address != owner))
