@@ -11,7 +11,7 @@ from distributed.utils_test import gen_test
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed, pack_blocking
-from rechunk_p2p.errors import RechunkCommError
+from rechunk_p2p.errors import RechunkCommError, StaleRunError
 
 NO_RETRY_DELAY = RetryPolicy(count=3, delay_min=0.001, delay_max=0.002)
 
@@ -242,6 +242,9 @@ async def test_close_drops_queue_and_releases_bytes():
     assert limiter.used == 0
     with pytest.raises(RuntimeError, match="closed"):
         await put_all(comm, {"a": [shard(0, 7)]})
+    # a flush after the queue was dropped must not report the shards delivered
+    with pytest.raises(StaleRunError, match="closed"):
+        await comm.flush()
 
 
 @gen_test()
