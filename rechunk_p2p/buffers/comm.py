@@ -142,7 +142,13 @@ class CommBuffer:
             nbytes = packed.nbytes
             if not self._acquire_blocking(nbytes):
                 self._raise_if_unusable()
-            self._loop.call_soon_threadsafe(self._enqueue, address, packed, nbytes)
+            try:
+                self._loop.call_soon_threadsafe(self._enqueue, address, packed, nbytes)
+            except RuntimeError:  # the data plane's loop is closed: the worker is going
+                self._release(nbytes)
+                raise StaleRunError(
+                    f"{self._name}: the data plane stopped; its sends are dropped"
+                ) from None
 
     def _acquire_blocking(self, nbytes: int) -> bool:
         """Hold ``nbytes`` under every limiter, in order; ``False``, holding nothing, when

@@ -127,9 +127,7 @@ async def test_a_run_budget_holds_sends_back_within_the_worker_limit():
     send = Recorder()
     send.release.clear()
     worker, run = ByteLimiter(10_000), ByteLimiter(200)
-    comm = CommBuffer(
-        send, worker, asyncio.Semaphore(2), 100, NO_RETRY_DELAY, run_limiter=run
-    )
+    comm = CommBuffer(send, worker, asyncio.Semaphore(2), 100, NO_RETRY_DELAY, run_limiter=run)
     await put_all(comm, {"a": [shard(0, 0), shard(0, 1)]})
     assert (run.used, worker.used) == (200, 200)
     blocked = asyncio.ensure_future(put_all(comm, {"b": [shard(1, 2)]}))
@@ -275,3 +273,17 @@ async def test_limiter_waiter_gives_up_when_told_to_stop():
     limiter.wake()
     assert await asyncio.wait_for(waiter, 1) is False
     assert limiter.used == 10  # nothing taken
+
+
+def test_a_put_after_the_sending_loop_closed_fails_as_stale_and_holds_nothing():
+    loop = asyncio.new_event_loop()
+    limiter = ByteLimiter(1_000)
+    comm = loop.run_until_complete(_make_on(loop, limiter))
+    loop.close()  # the data plane's loop is gone (the worker is closing)
+    with pytest.raises(StaleRunError, match="data plane stopped"):
+        comm.put_blocking({"a": shard(0, 0)})
+    assert limiter.used == 0
+
+
+async def _make_on(loop, limiter):
+    return CommBuffer(Recorder(), limiter, asyncio.Semaphore(1), 100, NO_RETRY_DELAY, loop=loop)
