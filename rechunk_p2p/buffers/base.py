@@ -249,7 +249,13 @@ def place_blocking(out: np.ndarray, where: tuple[slice, ...], shard: np.ndarray)
     therefore copied as a single memory move with the GIL held; anything else is a numpy
     assignment.
     """
-    region = out[(*where, Ellipsis)]  # a view, also of a 0-d array
+    copy_into_blocking(out[(*where, Ellipsis)], shard)  # a view, also of a 0-d array
+
+
+def copy_into_blocking(region: np.ndarray, shard: np.ndarray) -> None:
+    """Copy ``shard`` into ``region``, a view of the same shape: a small contiguous copy as
+    one memory move with the GIL held (see :func:`place_blocking`), anything else as a numpy
+    assignment, which lets other threads run during a large copy."""
     if (
         shard.nbytes <= SMALL_COPY_BYTES
         and region.flags.c_contiguous

@@ -16,6 +16,7 @@ from rechunk_p2p.buffers.base import (
     StoreStatistics,
     check_shard,
     closed_error,
+    copy_into_blocking,
     owned_array,
     place_blocking,
 )
@@ -103,8 +104,9 @@ class MemoryShardStore:
         order of the inputs ``order``, and discard them.
 
         For outputs whose shards lie one after another in memory
-        (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`): one memory move per shard
-        with the GIL held, nothing else per shard. Returns the inputs placed, in order,
+        (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`): one copy per shard into the
+        next bytes of ``out`` (:func:`~rechunk_p2p.buffers.base.copy_into_blocking`), and
+        nothing else per shard. Returns the inputs placed, in order,
         stopping at the first one missing. Not for object dtype.
 
         Raises
@@ -117,18 +119,18 @@ class MemoryShardStore:
                 raise closed_error(self.kind, self.name, f"read output {output}")
             arrays = self._data.pop(output, {})
             self._ledger.read(sum(a.nbytes for a in arrays.values()))
-        target = memoryview(out.reshape(-1).view(np.uint8))
+        target = out.reshape(-1).view(np.uint8)
         placed: list[int] = []
         offset = 0
         for input_ in order:
             array = arrays.get(input_)
             if array is None:
                 return placed
-            source = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            source = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             end = offset + source.nbytes
             if end > target.nbytes:
                 break
-            target[offset:end] = source
+            copy_into_blocking(target[offset:end], source)
             offset = end
             placed.append(input_)
         if offset != target.nbytes:

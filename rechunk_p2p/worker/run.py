@@ -58,8 +58,8 @@ class PhaseSeconds:
         Task threads cutting input chunks into shards and packing them (local shards
         stored included).
     queue_wait
-        Task threads waiting to queue packed shards for sending (back-pressure: the send
-        buffer was full), one loop hop included.
+        Task threads queueing packed shards for sending: waiting while the send buffer
+        was full (back-pressure), and handing the shards to the data plane's loop.
     send
         Sends in flight on the data plane, summed over concurrent sends (a send's time is
         the peer's receive and store too: the ack comes after them).
