@@ -170,6 +170,13 @@ class WorkerRun:
             self._phase = phase
             return previous
 
+    @property
+    def _position(self) -> int:
+        """This worker's position in the run; -2 for a worker that joined after the run
+        started (it owns nothing and sends everything)."""
+        workers = self.run_spec.workers
+        return workers.index(self.worker_address) if self.worker_address in workers else -2
+
     def _raise_if_closed(self) -> None:
         if self.phase is RunPhase.CLOSED:
             raise StaleRunError(f"{self!r} is closed")
@@ -224,10 +231,7 @@ class WorkerRun:
         )
         positions = np.full(len(outputs), -1, dtype=np.int64)
         positions[built] = run_spec.worker_positions(outputs[built])
-        # a worker that joined after the run started owns nothing and sends everything
-        me = run_spec.workers.index(self.worker_address) if (
-            self.worker_address in run_spec.workers
-        ) else -2
+        me = self._position
         blocks = cut_regular_blocking(data, slices, spec.dtype)
         if blocks is None:
             return self._cut_each_blocking(flat, data, outputs, slices, positions, me)
@@ -343,6 +347,7 @@ class WorkerRun:
 
     def _store_packed_blocking(self, batch: list[Packed]) -> int:
         start = time.perf_counter()
+        self._check_owned_blocking(batch)
         dtype = self.run_spec.spec.dtype
         nbytes = self._store.write_blocking(
             shard for packed in batch for shard in unpack_blocking(packed, dtype)
@@ -350,6 +355,29 @@ class WorkerRun:
         with self._lock:
             self._seconds["store"] += time.perf_counter() - start
         return nbytes
+
+    def _check_owned_blocking(self, batch: list[Packed]) -> None:
+        """Refuse shards of outputs this worker does not assemble (a sender that addressed the
+        wrong data plane): stored here they would be lost, and their owner would miss them."""
+        run_spec, spec = self.run_spec, self.run_spec.spec
+        outputs = np.fromiter(
+            itertools.chain.from_iterable(p.outputs for p in batch), dtype=np.int64
+        )
+        if spec.keep is None:
+            built = (outputs >= 0) & (outputs < spec.partial.n_outputs)
+        else:
+            built = np.isin(outputs, spec.outputs_array)
+        positions = np.full(len(outputs), -1, dtype=np.int64)
+        positions[built] = run_spec.worker_positions(outputs[built])
+        wrong = np.flatnonzero(positions != self._position)
+        if len(wrong):
+            first, position = int(outputs[wrong[0]]), int(positions[wrong[0]])
+            owner = run_spec.workers[position] if position >= 0 else "no worker of the run"
+            raise RechunkRunError(
+                f"{len(wrong)} shards of rechunk {self.shuffle_id} (run {self.run_id}) reached "
+                f"{self.worker_address}, which does not assemble their outputs (output "
+                f"{first} belongs to {owner}); refused"
+            )
 
     # --- worker loop --------------------------------------------------------------------------
 

@@ -1,0 +1,290 @@
+"""Races and faults on the worker side, made deterministic through a seam.
+
+Real plugins, runs, comm buffers and stores; a scripted scheduler and an in-process network
+(``tests/worker_fakes.py``). Each test orders one race or injects one fault and checks the
+outcome and that nothing is left open or held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+
+import dask
+import numpy as np
+import pytest
+from distributed import Reschedule
+from distributed.utils_test import gen_test
+
+from rechunk_p2p.errors import RechunkCommError, RechunkRunError, StaleRunError
+from rechunk_p2p.worker import plugin as plugin_module
+from tests.worker_fakes import (
+    SHUFFLE,
+    FakeScheduler,
+    Network,
+    close_all,
+    fake_worker,
+    input_chunk,
+    make_run_spec,
+)
+
+WORKERS = ("a", "b")
+ROWS, COLUMNS = 8, 4
+FAST_RETRIES = {
+    "rechunk-p2p.comm.retry-delay-min": "1ms",
+    "rechunk-p2p.comm.retry-delay-max": "2ms",
+}
+
+
+def expected_output(flat: int) -> np.ndarray:
+    full = np.concatenate([input_chunk(i) for i in range(ROWS)])
+    width = 12 // COLUMNS
+    return full[:, flat * width : (flat + 1) * width]
+
+
+@pytest.fixture
+def seam(tmp_path):
+    """``(scheduler, network, plugins)`` for workers a and b, made inside the test's loop."""
+
+    def make(storage: str = "memory", run_id: int = 1):
+        scheduler = FakeScheduler(make_run_spec(WORKERS, run_id, storage, ROWS, COLUMNS))
+        network = Network()
+        plugins = [fake_worker(w, scheduler, network, str(tmp_path / w)) for w in WORKERS]
+        return scheduler, network, plugins
+
+    return make
+
+
+async def transfer_all(plugins, return_exceptions: bool = False) -> list:
+    """Every input chunk, alternating between the workers, from task threads; their run ids
+    (or errors). Every thread has finished when this returns."""
+    return list(
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(plugins[i % 2].transfer_blocking, SHUFFLE, i, input_chunk(i))
+                for i in range(ROWS)
+            ),
+            return_exceptions=return_exceptions,
+        )
+    )
+
+
+async def barrier(plugin, run_ids) -> int:
+    return await asyncio.to_thread(plugin.barrier_blocking, SHUFFLE, tuple(run_ids))
+
+
+async def unpack(plugin, flat: int, run_id: int = 1):
+    return await asyncio.to_thread(plugin.unpack_blocking, SHUFFLE, flat, run_id, ("out", 0, flat))
+
+
+async def assert_outputs(plugins, run_id: int = 1) -> None:
+    by_address = {p.worker.address: p for p in plugins}
+    run_spec = plugins[0].runs[SHUFFLE].run_spec
+    for flat in range(COLUMNS):
+        out = await unpack(by_address[run_spec.worker_for(flat)], flat, run_id)
+        np.testing.assert_array_equal(out, expected_output(flat))
+
+
+def assert_nothing_left(plugins, tmp_path) -> None:
+    for p in plugins:
+        assert not p.runs
+        assert p.dataplane.limiter.used == 0
+    assert plugin_module._tuning._users == 0
+    leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    assert leftovers == []
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+@gen_test()
+async def test_a_run_through_the_seam_assembles_every_output(seam, tmp_path, storage):
+    _scheduler, _, plugins = seam(storage)
+    try:
+        assert await transfer_all(plugins) == [1] * ROWS
+        assert await barrier(plugins[0], [1] * ROWS) == 1
+        await assert_outputs(plugins)
+        stats = [p.runs[SHUFFLE].statistics() for p in plugins]
+        assert sum(s.outputs for s in stats) == COLUMNS
+        assert all(s.bytes_received > 0 and s.bytes_sent > 0 for s in stats)
+    finally:
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_a_close_overtaking_the_run_reply_leaves_no_run(seam, tmp_path):
+    scheduler, _, plugins = seam("disk")
+    scheduler.gate = asyncio.Event()
+    try:
+        transfer = asyncio.ensure_future(
+            asyncio.to_thread(plugins[0].transfer_blocking, SHUFFLE, 0, input_chunk(0))
+        )
+        while not scheduler.requests["a"]:
+            await asyncio.sleep(0.001)
+        scheduler.close(SHUFFLE, 1)  # the close arrives while the reply is on its way
+        scheduler.gate.set()
+        with pytest.raises(StaleRunError, match="closed before a joined it"):
+            await transfer
+    finally:
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_transient_send_errors_are_retried(seam, tmp_path):
+    def fail_twice(sender: str, address: str, attempt: int) -> None:
+        if attempt <= 2:
+            raise OSError(f"injected failure {attempt} of {sender} -> {address}")
+
+    with dask.config.set(FAST_RETRIES):
+        _scheduler, network, plugins = seam()
+        network.fail = fail_twice
+        try:
+            await transfer_all(plugins)
+            await barrier(plugins[0], [1] * ROWS)
+            await assert_outputs(plugins)
+            retries = [p.runs[SHUFFLE]._comm.statistics().retries for p in plugins]
+            assert retries == [2, 2]
+        finally:
+            await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_errors_past_the_retry_count_fail_the_barrier_naming_the_peer(seam, tmp_path):
+    def always(sender: str, address: str, attempt: int) -> None:
+        raise ConnectionRefusedError("injected: nobody listens")
+
+    with dask.config.set({**FAST_RETRIES, "rechunk-p2p.comm.retry-count": 2}):
+        _scheduler, network, plugins = seam()
+        network.fail = always
+        try:
+            await transfer_all(plugins)
+            with pytest.raises(RechunkCommError, match=r"cannot deliver shards .* at dp-"):
+                await barrier(plugins[0], [1] * ROWS)
+            assert max(network.attempts.values()) == 3  # the first try and two retries
+        finally:
+            await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_duplicate_deliveries_are_dropped(seam, tmp_path):
+    _scheduler, network, plugins = seam("disk")
+    network.copies = 2  # e.g. a retry after an ack was lost
+    try:
+        await transfer_all(plugins)
+        await barrier(plugins[0], [1] * ROWS)
+        await assert_outputs(plugins)
+        # each worker receives 4 shards (the other worker's rows) for each of its 2 outputs
+        duplicates = [p.runs[SHUFFLE]._store.statistics().duplicates for p in plugins]
+        assert duplicates == [8, 8]
+    finally:
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_shards_sent_to_the_wrong_worker_are_refused(seam, tmp_path):
+    _scheduler, network, plugins = seam()
+    network.misroute = {"dp-b": "dp-a"}  # a stale or wrong address of b's data plane
+    try:
+        # the refusal fails a's send buffer: a later transfer on b or the barrier raises it
+        outcomes = await transfer_all(plugins, return_exceptions=True)
+        try:
+            outcomes.append(await barrier(plugins[0], [1] * ROWS))
+        except RechunkRunError as e:
+            outcomes.append(e)
+        errors = [o for o in outcomes if isinstance(o, Exception)]
+        assert errors and all(isinstance(e, RechunkRunError) for e in errors)
+        assert all("reached a, which does not assemble" in str(e) for e in errors)
+        assert isinstance(outcomes[-1], RechunkRunError)  # the barrier fails too
+        assert plugins[0].runs[SHUFFLE]._store.statistics().outputs == 2  # a's only
+    finally:
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_shards_of_a_newer_run_open_it_and_of_an_older_run_are_refused(seam, tmp_path):
+    scheduler, _network, plugins = seam()
+    a, b = plugins
+    try:
+        first = await asyncio.to_thread(a.get_run_blocking, SHUFFLE)
+        assert first.run_id == 1
+        scheduler.run_spec = make_run_spec(WORKERS, 2, "memory", ROWS, COLUMNS)  # restarted
+        # b, already on run 2, sends to a, which still runs run 1: a moves on to run 2
+        assert await asyncio.to_thread(b.transfer_blocking, SHUFFLE, 1, input_chunk(1)) == 2
+        await barrier_flush(b, 2)
+        assert a.runs[SHUFFLE].run_id == 2
+        assert a.runs[SHUFFLE].statistics().bytes_received > 0
+        assert first.statistics().phase == "closed"
+        with pytest.raises(StaleRunError, match=r"Shards for run 1 .* runs run 2"):
+            await a.receive(SHUFFLE, 1, [])
+    finally:
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+async def barrier_flush(plugin, run_id: int) -> None:
+    """One worker's part of the barrier, as the scheduler would ask for it."""
+    reply = await plugin._worker_barrier(SHUFFLE, run_id)
+    assert reply.get("error") is None, pickle.loads(reply["error"])
+
+
+@gen_test()
+async def test_a_barrier_of_a_replaced_run_is_replied_as_an_error(seam, tmp_path):
+    _scheduler, _, plugins = seam(run_id=2)
+    try:
+        await asyncio.to_thread(plugins[0].get_run_blocking, SHUFFLE)
+        reply = await plugins[0]._worker_barrier(SHUFFLE, 1)
+        with pytest.raises(StaleRunError, match=r"Barrier of run 1 .* runs run 2"):
+            raise pickle.loads(reply["error"])
+        # and a barrier task whose transfers ran for an older run is rescheduled
+        with pytest.raises(Reschedule):
+            await barrier(plugins[0], [2] * (ROWS - 1) + [1])
+    finally:
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_an_unpack_on_the_wrong_worker_pins_itself_to_the_owner(seam, tmp_path):
+    scheduler, _, plugins = seam()
+    try:
+        owner = scheduler.run_spec.worker_for(0)
+        elsewhere = next(p for p in plugins if p.worker.address != owner)
+        with pytest.raises(Reschedule):
+            await unpack(elsewhere, 0)
+        assert scheduler.restricted == [(("out", 0, 0), owner)]
+        with pytest.raises(Reschedule):  # an unpack task of a replaced run
+            await unpack(elsewhere, 0, run_id=0)
+        assert len(scheduler.restricted) == 1
+    finally:
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
+
+
+@gen_test()
+async def test_close_wakes_a_transfer_waiting_for_room_and_gives_every_byte_back(seam, tmp_path):
+    scheduler, network, plugins = seam()
+    a = plugins[0]
+    a.dataplane.limiter.limit = 1  # one batch in the send buffer at a time
+    network.hold = asyncio.Event()  # sends stay in flight
+    try:
+        await asyncio.to_thread(a.transfer_blocking, SHUFFLE, 0, input_chunk(0))
+        waiting = asyncio.ensure_future(
+            asyncio.to_thread(a.transfer_blocking, SHUFFLE, 2, input_chunk(2))
+        )
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # held back: the buffer is full
+        assert a.dataplane.limiter.used > 0
+        scheduler.close(SHUFFLE, 1)
+        with pytest.raises(StaleRunError):
+            await asyncio.wait_for(waiting, 10)
+        await asyncio.gather(*a._background)
+        assert a.dataplane.limiter.used == 0
+    finally:
+        network.hold.set()
+        await close_all(plugins)
+    assert_nothing_left(plugins, tmp_path)
