@@ -55,3 +55,33 @@ def test_scaling_figure_from_points(tmp_path: Path) -> None:
     ]  # fmt: skip
     figure = plot(points, tmp_path / "scaling.png", "test")
     assert figure.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_larger_than_memory_without_pausing_a_worker(tmp_path: Path) -> None:
+    """6 GiB through two workers of 2 GiB into zarr: right result, no worker paused or
+    restarted by distributed's memory monitor (about a minute)."""
+    from integration import bench_large
+
+    argv = ["--repeat", "1", "--impls", "rechunk_p2p", "--out", str(tmp_path)]
+    assert bench_large.main(argv) == 0
+    (run,) = json.loads((tmp_path / "bench-large.json").read_text())["runs"]
+    assert run["ok"] and run["most_paused"] == 0 and run["restarted"] == 0, run
+    assert run["rss_peak_bytes"] < 2 * 2**30
+    assert run["spilled_bytes"] > 2 * 2**30  # auto chose disk: the data do not fit
+
+
+def test_larger_than_memory_command_small(tmp_path: Path) -> None:
+    """The larger-than-memory benchmark's mechanics at a tiny size: zarr written, read back
+    and checked, workers' health recorded."""
+    from integration import bench_large
+
+    argv = ["--size", "16MiB", "--repeat", "1", "--memory-limit", "1GiB", "--out", str(tmp_path)]
+    assert bench_large.main(argv) == 0
+    runs = json.loads((tmp_path / "bench-large.json").read_text())["runs"]
+    assert [r["impl"] for r in runs] == ["rechunk_p2p", "dask-p2p"]
+    for r in runs:
+        assert r["ok"] and r["error"] is None, r
+        assert (r["most_paused"], r["restarted"]) == (0, 0)
+        assert r["wall_s"] > 0 and r["rss_peak_bytes"] > 10 * 2**20
+    assert not list(tmp_path.glob("*.zarr"))
