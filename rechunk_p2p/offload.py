@@ -14,6 +14,7 @@ Where it runs: helpers called on an event loop (``to_thread``, ``on_loop``) or f
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,12 @@ class OffloadPool:
         """From an event loop: run ``fn`` on the pool and await its result."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+
+    def submit_blocking(
+        self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[T]:
+        """From a task thread: queue ``fn`` on the pool without waiting for it."""
+        return self._executor.submit(fn, *args, **kwargs)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait``, let queued work finish first."""

@@ -43,9 +43,13 @@ def expected_output(flat: int) -> np.ndarray:
     return full[:, flat * width : (flat + 1) * width]
 
 
+TUNING_USERS_BEFORE = [0]
+
+
 @pytest.fixture
 def seam(tmp_path):
     """``(scheduler, network, plugins)`` for workers a and b, made inside the test's loop."""
+    TUNING_USERS_BEFORE[0] = plugin_module._tuning._users
 
     def make(storage: str = "memory", run_id: int = 1):
         scheduler = FakeScheduler(make_run_spec(WORKERS, run_id, storage, ROWS, COLUMNS))
@@ -90,7 +94,7 @@ def assert_nothing_left(plugins, tmp_path) -> None:
     for p in plugins:
         assert not p.runs
         assert p.dataplane.limiter.used == 0
-    assert plugin_module._tuning._users == 0
+    assert plugin_module._tuning._users == TUNING_USERS_BEFORE[0]  # every run released it
     leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
+
+if TYPE_CHECKING:
+    from rechunk_p2p.buffers.wire import Packed
 
 Shard = tuple[int, int, np.ndarray]
 """``(output index, input index, array)``; flat indices within one sub-shuffle."""
@@ -86,6 +89,17 @@ class ShardLedger:
         self._seen.add(key)
         return True
 
+    def admit_many(self, pairs: list[tuple[int, int]]) -> list[bool] | None:
+        """:meth:`admit` for many pairs: ``None`` when every pair is new (the usual case,
+        decided without a Python step per pair), else whether each one is."""
+        if self._seen.isdisjoint(pairs):
+            before = len(self._seen)
+            self._seen.update(pairs)
+            if len(self._seen) - before == len(pairs):
+                return None
+            self._seen.difference_update(pairs)  # a pair repeated within the batch
+        return [self.admit(o, i) for o, i in pairs]
+
     def forget(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Give admitted pairs back (their write failed; a retry may store them)."""
         self._seen.difference_update(pairs)
@@ -142,6 +156,11 @@ class ShardStore(Protocol):
         """
         ...
 
+    def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
+        """:meth:`write_blocking` for batches of shards as they came off the wire (or were
+        packed for it), without unpacking them where the store can help it."""
+        ...
+
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Return the ``(input index, array)`` pairs of one output, sorted by input index.
 
@@ -164,6 +183,12 @@ class ShardStore(Protocol):
 
         Returns the input indices of the shards found (the caller checks completeness).
         """
+        ...
+
+    def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
+        """Fill C-contiguous ``out`` with the shards of ``output`` one after another, in the
+        order of the inputs ``order`` (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`),
+        and discard them. Returns the inputs placed, stopping at the first one missing."""
         ...
 
     def close_blocking(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import pickle
 import re
@@ -38,7 +39,8 @@ from rechunk_p2p.buffers.base import (
     owned_array,
     place_blocking,
 )
-from rechunk_p2p.errors import RechunkStorageError
+from rechunk_p2p.buffers.wire import Packed, unpack_blocking
+from rechunk_p2p.errors import RechunkRunError, RechunkStorageError
 
 DATA_FILE = "shards.bin"
 
@@ -58,8 +60,11 @@ _READ_ADVICE = (
     'dask.config.set({"rechunk-p2p.storage": "memory"}).'
 )
 
-# (offset, nbytes, input index, shape)
-_Entry = tuple[int, int, int, tuple[int, ...]]
+#: One spilled shard in the index: its output, input, byte range in the data file, and shape
+#: (an index into the store's table of shapes). Kept as rows of numpy arrays, not objects.
+ENTRY = np.dtype(
+    [("output", "i8"), ("input", "i8"), ("offset", "i8"), ("nbytes", "i8"), ("shape", "i4")]
+)
 _T = TypeVar("_T")
 
 
@@ -68,10 +73,15 @@ class DiskShardStore:
 
     ``_lock`` guards the index, the reserved end of the file, the counters, the set of
     stored ``(output, input)`` pairs and the number of I/O operations in flight; it is never
-    held during I/O. ``_create_lock`` only serialises the one-time creation of the directory
-    and the data file on the first write. :meth:`close_blocking` waits (on ``_idle``, a
-    condition of ``_lock``) until no I/O is in flight before closing the file, so a file
-    descriptor is never closed under a reader or writer.
+    held during I/O or while the index is sorted. ``_create_lock`` only serialises the
+    one-time creation of the directory and the data file on the first write; ``_sort_lock``
+    lets one reader at a time sort what was written since the last read. :meth:`close_blocking`
+    waits (on ``_idle``, a condition of ``_lock``) until no I/O is in flight before closing
+    the file, so a file descriptor is never closed under a reader or writer.
+
+    The index holds no Python object per shard: writes append rows of :data:`ENTRY` (one
+    array per write call), and the first read after writes sorts them by output and input
+    once and files them under their outputs.
 
     Parameters
     ----------
@@ -98,11 +108,16 @@ class DiskShardStore:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._create_lock = threading.Lock()
+        self._sort_lock = threading.Lock()
         self._closed = False
         self._close_done = threading.Event()
         self._inflight = 0
         self._end = 0
-        self._index: dict[int, list[_Entry]] = {}
+        self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
+        self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
+        self._held: set[int] = set()  # outputs with spilled shards not read yet
+        self._shapes: list[tuple[int, ...]] = []
+        self._shape_ids: dict[tuple[int, ...], int] = {}
         self._ledger = ShardLedger()
         self._fd: int | None = None
         self._path: str | None = None
@@ -126,36 +141,95 @@ class DiskShardStore:
         """
         checked = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
         checked.sort(key=lambda s: (s[0], s[1]))  # one output's shards end up adjacent
-        encoded = [(o, i, a.shape, self._encode(a)) for o, i, a in checked]
+        views = [self._encode(a) for _, _, a in checked]
+        return self._append_blocking(
+            [o for o, _, _ in checked],
+            [i for _, i, _ in checked],
+            [a.shape for _, _, a in checked],
+            views,
+            [v.nbytes for v in views],
+        )
+
+    def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
+        """Spill batches of shards as they came off the wire: each batch's payload is
+        written as it is, with one index row per shard and no per-shard buffer. Dropping
+        pairs already stored as :meth:`write_blocking` does; returns the bytes spilled."""
+        if self._pickled:
+            return self.write_blocking(s for p in batch for s in unpack_blocking(p, self.dtype))
+        total = 0
+        for packed in batch:
+            sizes = packed_sizes(packed, self.dtype)
+            total += self._append_blocking(
+                list(packed.outputs), list(packed.inputs), packed.shapes, [packed.payload], sizes
+            )
+        return total
+
+    def _append_blocking(
+        self,
+        outputs: list[int],
+        inputs: list[int],
+        shapes: Sequence[tuple[int, ...]],
+        payloads: list,
+        sizes: Sequence[int],
+    ) -> int:
+        """Append shards to the data file and index them. ``payloads`` hold the shards'
+        bytes one after another (one buffer per shard, or a few buffers holding several);
+        ``sizes`` are the shards' byte counts."""
+        if not outputs:
+            return 0
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write shards")
-            accepted = [item for item in encoded if self._ledger.admit(item[0], item[1])]
-            total = sum(view.nbytes for *_, view in accepted)
-            if not accepted:
-                return 0
+            admitted = self._ledger.admit_many(list(zip(outputs, inputs)))
+            shape_ids = self._shape_ids_locked(shapes)
+        rows = np.empty(len(outputs), dtype=ENTRY)
+        rows["output"], rows["input"], rows["nbytes"] = outputs, inputs, sizes
+        rows["shape"] = shape_ids
+        if admitted is not None:  # some were stored before: write the others only
+            keep = np.asarray(admitted, dtype=bool)
+            payloads = _split_kept(payloads, np.asarray(sizes, dtype=np.int64), keep)
+            rows = rows[keep]
+        total = int(rows["nbytes"].sum())
+        if not len(rows):
+            return 0
+        with self._lock:
+            if self._closed:
+                self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
+                raise closed_error(self.kind, self.name, "write shards")
             start = self._end
             self._end += total
             self._inflight += 1
-        entries: list[tuple[int, _Entry]] = []
-        offset = start
-        for output, input_, shape, view in accepted:
-            entries.append((output, (offset, view.nbytes, input_, shape)))
-            offset += view.nbytes
+        rows["offset"] = start + np.cumsum(rows["nbytes"]) - rows["nbytes"]
         try:
             fd = self._ensure_file_blocking()
-            pwritev_all(fd, [view for *_, view in accepted], start)
+            pwritev_all(fd, [memoryview(p).cast("B") for p in payloads], start)
         except OSError as exc:
             with self._lock:
-                self._ledger.forget((o, i) for o, i, *_ in accepted)
+                self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
                 self._release_locked()
             raise self._storage_error(exc, f"write {total} bytes of shards") from exc
         with self._lock:
-            for output, entry in entries:
-                self._index.setdefault(output, []).append(entry)
-            self._ledger.stored(len(entries), total)
+            self._unsorted.append(rows)
+            self._held.update(rows["output"].tolist())
+            self._ledger.stored(len(rows), total)
             self._release_locked()
         return total
+
+    def _shape_ids_locked(self, shapes: Sequence[tuple[int, ...]]) -> list[int] | int:
+        """Ids of ``shapes`` in the store's table of shapes (one id when they are all one)."""
+        if shapes and all(s == shapes[0] for s in shapes):
+            shapes = [tuple(shapes[0])]
+            single = True
+        else:
+            single = False
+        ids = []
+        for shape in shapes:
+            shape = tuple(shape)
+            if shape not in self._shape_ids:
+                self._shape_ids[shape] = len(self._shapes)
+                self._shapes.append(shape)
+            ids.append(self._shape_ids[shape])
+        return ids[0] if single else ids
 
     def _encode(self, array: np.ndarray) -> memoryview:
         """Return the bytes to spill for one array (no copy if it is C-contiguous)."""
@@ -194,9 +268,7 @@ class DiskShardStore:
         See :meth:`rechunk_p2p.buffers.base.ShardStore.read_blocking`. Each array is read
         straight into its own freshly allocated buffer.
         """
-        result = self._read_output_blocking(output, self._read_entries_blocking)
-        result.sort(key=lambda pair: pair[0])
-        return result
+        return self._read_output_blocking(output, self._read_entries_blocking)
 
     def read_into_blocking(
         self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
@@ -208,88 +280,178 @@ class DiskShardStore:
         input indices placed.
         """
 
-        def read(fd: int, entries: list[_Entry]) -> list[int]:
-            self._read_into_entries_blocking(fd, entries, out, placement)
-            return [e[2] for e in entries]
+        def read(fd: int, rows: np.ndarray) -> list[int]:
+            self._read_into_entries_blocking(fd, rows, out, placement)
+            return rows["input"].tolist()
 
         return self._read_output_blocking(output, read)
 
-    def _read_output_blocking(
-        self, output: int, read: Callable[[int, list[_Entry]], _T]
-    ) -> _T | list:
-        """Take one output's index entries under the lock, then ``read(fd, entries)``
-        outside it, counting the bytes and translating I/O errors."""
+    def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
+        """Read the shards of ``output`` one after another into C-contiguous ``out``, in the
+        order of the inputs ``order``, and discard them.
+
+        See :meth:`rechunk_p2p.buffers.memory.MemoryShardStore.read_stacked_blocking`. Each
+        run of shards that lie one after another in the data file too is one ``pread``
+        straight into its bytes of ``out``. Returns the inputs placed, in order, stopping at
+        the first one missing. Not for object dtype.
+        """
+
+        def read(fd: int, rows: np.ndarray) -> list[int]:
+            return self._read_stacked_entries_blocking(fd, output, rows, out, order)
+
+        return self._read_output_blocking(output, read)
+
+    def _take_entries(self, output: int) -> np.ndarray | None:
+        """Remove and return the index rows of ``output``, sorted by input (under `_lock`
+        only briefly: rows written since the last read are sorted outside it)."""
+        with self._sort_lock:
+            with self._lock:
+                unsorted, self._unsorted = self._unsorted, []
+            if unsorted:
+                filed = _file_by_output(np.concatenate(unsorted))
+                with self._lock:
+                    for out, rows in filed:
+                        self._index.setdefault(out, []).append(rows)
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
-            entries = self._index.pop(output, None)
-            if not entries:
-                return []
-            entries = list(entries)
-            nbytes = sum(e[1] for e in entries)
+            parts = self._index.pop(output, None)
+            self._held.discard(output)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        rows = np.concatenate(parts)
+        return rows[np.argsort(rows["input"], kind="stable")]
+
+    def _read_output_blocking(
+        self, output: int, read: Callable[[int, np.ndarray], _T]
+    ) -> _T | list:
+        """Take one output's index rows, then ``read(fd, rows)`` outside the lock,
+        counting the bytes and translating I/O errors."""
+        rows = self._take_entries(output)
+        if rows is None:
+            return []
+        nbytes = int(rows["nbytes"].sum())
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
             self._ledger.bytes_buffered -= nbytes  # discarded now; counted read once read
             self._inflight += 1
             fd = self._fd
         assert fd is not None  # entries exist only after the file was written
         try:
-            result = read(fd, entries)
+            result = read(fd, rows)
         except OSError as exc:
             with self._lock:
                 self._release_locked()
             action = f"read {nbytes} bytes of output {output}"
             raise self._storage_error(exc, action, _READ_ADVICE) from exc
+        except BaseException:
+            with self._lock:
+                self._release_locked()
+            raise
         with self._lock:
             self._ledger.bytes_read += nbytes
             self._release_locked()
         return result
 
+    def _read_stacked_entries_blocking(
+        self, fd: int, output: int, rows: np.ndarray, out: np.ndarray, order: list[int]
+    ) -> list[int]:
+        position = {input_: k for k, input_ in enumerate(order)}
+        ranks = np.array([position.get(i, -1) for i in rows["input"].tolist()], dtype=np.int64)
+        rows, ranks = rows[ranks >= 0], ranks[ranks >= 0]
+        sorted_rows = rows[np.argsort(ranks, kind="stable")]
+        gaps = np.flatnonzero(np.sort(ranks) != np.arange(len(ranks)))
+        present = int(gaps[0]) if len(gaps) else len(ranks)  # placed up to the first missing
+        sorted_rows = sorted_rows[:present]
+        target = memoryview(out.reshape(-1).view(np.uint8))
+        ends = np.cumsum(sorted_rows["nbytes"])
+        if present == len(order) and (not len(ends) or int(ends[-1]) != target.nbytes):
+            raise RechunkRunError(
+                f"The shards of output {output} in store {self.name!r} hold "
+                f"{int(ends[-1]) if len(ends) else 0} of its {target.nbytes} bytes"
+            )
+        if len(ends) and int(ends[-1]) > target.nbytes:
+            raise RechunkRunError(
+                f"The shards of output {output} in store {self.name!r} overflow its "
+                f"{target.nbytes} bytes"
+            )
+        starts = ends - sorted_rows["nbytes"]
+        offsets = sorted_rows["offset"]
+        # a new pread wherever the next shard does not follow the previous one in the file
+        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sorted_rows["nbytes"][:-1]) + 1
+        bounds = np.concatenate(([0], breaks, [len(sorted_rows)])).tolist()
+        for lo, hi in itertools.pairwise(bounds):
+            if hi > lo:
+                dst_lo, dst_hi = int(starts[lo]), int(ends[hi - 1])
+                preadv_all(fd, [target[dst_lo:dst_hi]], int(offsets[lo]))
+        return [order[k] for k in range(present)]
+
     def _read_into_entries_blocking(
         self,
         fd: int,
-        entries: list[_Entry],
+        rows: np.ndarray,
         out: np.ndarray,
         placement: Mapping[int, tuple[slice, ...]],
     ) -> None:
         if self._pickled:
-            for input_, array in self._read_entries_blocking(fd, entries):
+            for input_, array in self._read_entries_blocking(fd, rows):
                 if input_ in placement:
                     place_blocking(out, placement[input_], array)
             return
         targets: list[tuple[int, memoryview]] = []
         staged: list[tuple[np.ndarray, np.ndarray]] = []
-        for offset, nbytes, input_, shape in sorted(entries):
+        shapes = self._shapes
+        for offset, nbytes, input_, shape_id in zip(
+            rows["offset"].tolist(),
+            rows["nbytes"].tolist(),
+            rows["input"].tolist(),
+            rows["shape"].tolist(),
+        ):
             if not nbytes or input_ not in placement:
                 continue
             region = out[placement[input_]]
-            if region.flags.c_contiguous and region.shape == tuple(shape):
+            shape = shapes[shape_id]
+            if region.flags.c_contiguous and region.shape == shape:
                 targets.append((offset, memoryview(region.reshape(-1).view(np.uint8))))
             else:
                 buffer = np.empty(shape, dtype=self.dtype)
                 staged.append((region, buffer))
                 targets.append((offset, memoryview(buffer.reshape(-1).view(np.uint8))))
+        targets.sort(key=lambda t: t[0])
         for start, views in _coalesce(targets):
             preadv_all(fd, views, start)
         for region, buffer in staged:
             region[...] = buffer
 
     def _read_entries_blocking(
-        self, fd: int, entries: list[_Entry]
+        self, fd: int, rows: np.ndarray
     ) -> list[tuple[int, np.ndarray]]:
-        """Allocate one buffer per entry and fill them, coalescing adjacent entries."""
+        """Allocate one buffer per entry and fill them, coalescing adjacent entries; the
+        pairs in the order of ``rows`` (by input)."""
         result: list[tuple[int, np.ndarray]] = []
         raw: list[tuple[int, int, np.ndarray]] = []  # (input, position in result, bytes)
         targets: list[tuple[int, memoryview]] = []
-        for offset, nbytes, input_, shape in sorted(entries):
+        shapes = self._shapes
+        for offset, nbytes, input_, shape_id in zip(
+            rows["offset"].tolist(),
+            rows["nbytes"].tolist(),
+            rows["input"].tolist(),
+            rows["shape"].tolist(),
+        ):
             if self._pickled:
                 buffer = np.empty(nbytes, dtype=np.uint8)
                 raw.append((input_, len(result), buffer))
                 result.append((input_, buffer))
             else:
-                array = np.empty(shape, dtype=self.dtype)
+                array = np.empty(shapes[shape_id], dtype=self.dtype)
                 buffer = array.reshape(-1).view(np.uint8)
                 result.append((input_, array))
             if nbytes:
                 targets.append((offset, memoryview(buffer)))
+        targets.sort(key=lambda t: t[0])
         for start, views in _coalesce(targets):
             preadv_all(fd, views, start)
         for input_, position, buffer in raw:
@@ -320,6 +482,8 @@ class DiskShardStore:
             while self._inflight:
                 self._idle.wait()
             self._index.clear()
+            self._unsorted.clear()
+            self._held.clear()
             self._ledger.clear()
         if not first:
             self._close_done.wait()
@@ -336,7 +500,7 @@ class DiskShardStore:
     def statistics(self) -> StoreStatistics:
         """Return a snapshot of the store's counters."""
         with self._lock:
-            return self._ledger.statistics(self.kind, outputs=len(self._index))
+            return self._ledger.statistics(self.kind, outputs=len(self._held))
 
     def _storage_error(self, exc: OSError, action: str, advice: str = "") -> RechunkStorageError:
         """Translate an ``OSError`` into an actionable :class:`RechunkStorageError`."""
@@ -369,6 +533,8 @@ def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
 def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     """Fill every byte of the writable ``views`` from ``offset``, retrying short reads."""
     if hasattr(os, "preadv"):
+        if len(views) == 1 and os.preadv(fd, views, offset) == views[0].nbytes:
+            return  # the usual case, done in one call
         _all_of(fd, views, offset, os.preadv, _ENDED_EARLY)
     else:  # pragma: no cover - platforms without preadv
         _all_of(fd, views, offset, _pread_into, _ENDED_EARLY)
@@ -426,6 +592,43 @@ def _coalesce(targets: list[tuple[int, memoryview]]) -> list[tuple[int, list[mem
             runs.append((offset, [view]))
         end = offset + view.nbytes
     return runs
+
+
+def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
+    """The byte count of each shard of ``packed`` (fixed-width ``dtype``), checked against
+    its payload."""
+    shapes = packed.shapes
+    if shapes and all(s == shapes[0] for s in shapes):
+        sizes = np.full(len(shapes), int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize)
+    else:
+        sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
+        sizes *= dtype.itemsize
+    if int(sizes.sum()) != packed.nbytes:
+        raise RechunkRunError(
+            f"Packed payload has {packed.nbytes} bytes, its shards {int(sizes.sum())}"
+        )
+    return sizes
+
+
+def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list:
+    """The byte ranges of the kept shards of ``payloads`` (shards laid one after another
+    across them, ``sizes`` bytes each), as buffers in order."""
+    flat = [memoryview(p).cast("B") for p in payloads]
+    if len(flat) == len(sizes):  # one buffer per shard
+        return [v for v, k in zip(flat, keep.tolist()) if k]
+    joined = flat[0] if len(flat) == 1 else memoryview(b"".join(flat))
+    ends = np.cumsum(sizes).tolist()
+    starts = [0, *ends[:-1]]
+    return [joined[a:b] for a, b, k in zip(starts, ends, keep.tolist()) if k]
+
+
+def _file_by_output(rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``rows`` grouped by output, each group sorted by input: ``(output, rows)`` pairs."""
+    rows = rows[np.lexsort((rows["input"], rows["output"]))]
+    outputs = rows["output"]
+    cuts = np.flatnonzero(outputs[1:] != outputs[:-1]) + 1
+    bounds = np.concatenate(([0], cuts, [len(rows)])).tolist()
+    return [(int(outputs[lo]), rows[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
 
 
 def _safe_name(name: str) -> str:

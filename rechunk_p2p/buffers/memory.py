@@ -20,6 +20,7 @@ from rechunk_p2p.buffers.base import (
     owned_array,
     place_blocking,
 )
+from rechunk_p2p.buffers.wire import Packed, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError
 
 
@@ -69,6 +70,11 @@ class MemoryShardStore:
                     shards += 1
             self._ledger.stored(shards, accepted)
         return accepted
+
+    def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
+        """Store the shards of batches as they came off the wire (views of their payloads:
+        a batch's payload is freed once every shard of it was read)."""
+        return self.write_blocking(s for p in batch for s in unpack_blocking(p, self.dtype))
 
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Return the ``(input index, array)`` pairs of one output, sorted by input index.

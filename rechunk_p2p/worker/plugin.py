@@ -98,6 +98,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._closed_run_ids: OrderedDict[ShuffleId, RunId] = OrderedDict()
         self._background: set[asyncio.Future[None]] = set()
         self._ready = threading.Event()
+        self._tearing_down = False  # loop-confined
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -123,6 +124,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
 
     async def teardown(self, worker: Any) -> None:
+        self._tearing_down = True  # a run fetched from now on is closed as it arrives
         with self._lock:
             runs = list(self.runs.values())
         await asyncio.gather(*(self._close_run(run) for run in runs), return_exceptions=True)
@@ -173,13 +175,14 @@ class RechunkWorkerPlugin(WorkerPlugin):
             # the scheduler's close message may have overtaken its reply (it is recorded
             # under the same lock): then the run is over before it started here
             closed = run_spec.run_id <= self._closed_run_ids.get(shuffle_id, 0)
-            if not closed:
+            if not closed and not self._tearing_down:
                 self.runs[shuffle_id] = run
-        if closed:
+        if closed or self._tearing_down:
             await self._close_run(run)
+            why = "is closing" if self._tearing_down else "joined it"
             raise StaleRunError(
                 f"Run {run_spec.run_id} of rechunk {shuffle_id} was closed before "
-                f"{self.worker.address} joined it"
+                f"{self.worker.address} {why}"
             )
         return run
 
@@ -216,11 +219,17 @@ class RechunkWorkerPlugin(WorkerPlugin):
             ),
             loop=dataplane.loop,
         )
-        run = WorkerRun(
-            run_spec, self.worker.address, store, storage, dataplane, self.offload, comm
-        )
         _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
-        return run
+        return WorkerRun(
+            run_spec,
+            self.worker.address,
+            store,
+            storage,
+            dataplane,
+            self.offload,
+            comm,
+            on_close=_tuning.release,
+        )
 
     def _resolve_storage(self, run_spec: RunSpec) -> str:
         storage = run_spec.spec.storage
@@ -241,8 +250,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             if self.runs.get(run.shuffle_id) is run:
                 del self.runs[run.shuffle_id]
                 self._closed_totals = self._closed_totals.plus(stats)
-        if await run.close():
-            _tuning.release()
+        await run.close()
 
     # --- handlers -------------------------------------------------------------------------
 

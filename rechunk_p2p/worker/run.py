@@ -7,24 +7,27 @@ Where it runs: ``add_input_blocking`` and ``get_output_blocking`` in task thread
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import enum
 import itertools
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
 from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
+from rechunk_p2p.buffers.disk import DiskShardStore
 from rechunk_p2p.buffers.memory import MemoryShardStore
 from rechunk_p2p.buffers.wire import (
     Packed,
     cut_regular_blocking,
     pack_blocking,
     pack_blocks,
-    unpack_blocking,
 )
 from rechunk_p2p.errors import RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, on_loop
@@ -55,8 +58,9 @@ class PhaseSeconds:
     Attributes
     ----------
     cut
-        Task threads cutting input chunks into shards and packing them (local shards
-        stored included).
+        Task threads cutting input chunks into shards and packing them (this worker's own
+        shards stored included with the memory store; the disk store's are spilled on the
+        offload pool, counted in ``store``).
     queue_wait
         Task threads queueing packed shards for sending: waiting while the send buffer
         was full (back-pressure), and handing the shards to the data plane's loop.
@@ -64,7 +68,8 @@ class PhaseSeconds:
         Sends in flight on the data plane, summed over concurrent sends (a send's time is
         the peer's receive and store too: the ack comes after them).
     store
-        The offload pool unpacking received batches and writing them to the store.
+        The offload pool writing received batches (and, with the disk store, this worker's
+        own shards) to the store.
     assemble
         Task threads reading shards back and assembling output chunks.
     """
@@ -117,6 +122,8 @@ class WorkerRun:
         The pool that writes received shards into the store.
     comm
         The run's send buffer (confined to the data plane's loop).
+    on_close
+        Called once when the run is closed (also when freeing its buffers failed).
     """
 
     def __init__(
@@ -128,6 +135,7 @@ class WorkerRun:
         dataplane: DataPlane,
         offload: OffloadPool,
         comm: CommBuffer,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.run_spec = run_spec
         self.worker_address = worker_address
@@ -136,7 +144,11 @@ class WorkerRun:
         self._dataplane = dataplane
         self._offload = offload
         self._comm = comm
+        self._on_close = on_close
         self._lock = threading.Lock()
+        self._local_slot = threading.Semaphore(1)  # own shards being spilled by the pool
+        self._local_pending: set[concurrent.futures.Future] = set()
+        self._local_error: BaseException | None = None
         self._phase = RunPhase.TRANSFERRING
         self._inputs = 0
         self._outputs = 0
@@ -204,7 +216,11 @@ class WorkerRun:
             )
         start = time.perf_counter()
         local, remote = self._cut_blocking(flat, data)
-        nbytes = self._store.write_blocking(local) if local else 0
+        if isinstance(local, Packed):
+            self._spill_local_blocking(local)
+            nbytes = 0  # counted when written
+        else:
+            nbytes = self._store.write_blocking(local) if local else 0
         cut = time.perf_counter()
         if remote:
             self._comm.put_blocking(remote)
@@ -214,7 +230,45 @@ class WorkerRun:
             self._seconds["cut"] += cut - start
             self._seconds["queue_wait"] += time.perf_counter() - cut
 
-    def _cut_blocking(self, flat: int, data: np.ndarray) -> tuple[list[Shard], dict[str, Packed]]:
+    def _spill_local_blocking(self, packed: Packed) -> None:
+        """Write this worker's own shards of an input to the disk store on the offload pool,
+        while the task thread goes on to the next task; waits while the previous one is
+        still being written (one at a time per run bounds the memory they hold). A failed
+        write fails the next input and the barrier."""
+        self._local_slot.acquire()
+        try:
+            self._raise_local_error()
+            future = self._offload.submit_blocking(self._write_local_blocking, packed)
+        except BaseException:
+            self._local_slot.release()
+            raise
+        with self._lock:
+            self._local_pending.add(future)
+        future.add_done_callback(self._local_written)
+
+    def _write_local_blocking(self, packed: Packed) -> None:
+        start = time.perf_counter()
+        nbytes = self._store.write_packed_blocking([packed])
+        with self._lock:
+            self._bytes_local += nbytes
+            self._seconds["store"] += time.perf_counter() - start
+
+    def _local_written(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._local_pending.discard(future)
+            if future.exception() is not None and self._local_error is None:
+                self._local_error = future.exception()
+        self._local_slot.release()
+
+    def _raise_local_error(self) -> None:
+        with self._lock:
+            error = self._local_error
+        if error is not None:
+            raise error
+
+    def _cut_blocking(
+        self, flat: int, data: np.ndarray
+    ) -> tuple[Packed | list[Shard], dict[str, Packed]]:
         """The shards of input ``flat`` that stay here, and one batch per other worker.
 
         Regular cuts (pieces of one length along each axis, the usual case) are done for the
@@ -236,19 +290,22 @@ class WorkerRun:
         if blocks is None:
             return self._cut_each_blocking(flat, data, outputs, slices, positions, me)
         local: list[Shard] = []
+        spilled: Packed | None = None
         remote: dict[str, Packed] = {}
         for position in np.unique(positions[built]).tolist():
             chosen = np.flatnonzero(positions == position)
             lo, hi = int(chosen[0]), int(chosen[-1]) + 1
             part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
-            if position == me:
-                if self.storage == "memory" and len(chosen) < len(blocks):
-                    part = part.copy()  # the store keeps it: do not pin the whole copy
-                local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))
-            else:
+            if position != me:
                 packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
                 remote[run_spec.dataplanes[position]] = packed
-        return local, remote
+            elif self.storage == "memory":
+                if len(chosen) < len(blocks):
+                    part = part.copy()  # the store keeps it: do not pin the whole copy
+                local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))
+            else:  # spilled as one batch, as a received one is
+                spilled = pack_blocks(outputs[chosen], flat, part, spec.dtype)
+        return (local if spilled is None else spilled), remote
 
     def _cut_each_blocking(
         self,
@@ -315,7 +372,7 @@ class WorkerRun:
         """The inputs of output ``flat`` in memory order, if the memory store can lay them
         one after another (see :meth:`MemoryShardStore.read_stacked_blocking`)."""
         spec = self.run_spec.spec
-        if not isinstance(self._store, MemoryShardStore) or spec.unknown_axes:
+        if not isinstance(self._store, MemoryShardStore | DiskShardStore) or spec.unknown_axes:
             return None
         return None if spec.dtype.hasobject else spec.partial.stacked_inputs(flat)
 
@@ -348,10 +405,7 @@ class WorkerRun:
     def _store_packed_blocking(self, batch: list[Packed]) -> int:
         start = time.perf_counter()
         self._check_owned_blocking(batch)
-        dtype = self.run_spec.spec.dtype
-        nbytes = self._store.write_blocking(
-            shard for packed in batch for shard in unpack_blocking(packed, dtype)
-        )
+        nbytes = self._store.write_packed_blocking(batch)
         with self._lock:
             self._seconds["store"] += time.perf_counter() - start
         return nbytes
@@ -382,22 +436,34 @@ class WorkerRun:
     # --- worker loop --------------------------------------------------------------------------
 
     async def pass_barrier(self) -> None:
-        """The barrier: all inputs were transferred; wait until this worker's sends arrived."""
+        """The barrier: all inputs were transferred; wait until this worker's sends arrived
+        and its own shards are written."""
         self._raise_if_closed()
         await on_loop(self._dataplane.loop, self._comm.flush)
+        with self._lock:
+            pending = list(self._local_pending)
+        await asyncio.gather(*map(asyncio.wrap_future, pending), return_exceptions=True)
+        self._raise_local_error()
         self._set_phase(RunPhase.BARRIER_PASSED)
 
     async def close(self) -> bool:
         """Stop sending, free buffered shards and remove spill files.
 
-        Idempotent: returns whether this call closed the run.
+        Idempotent: returns whether this call closed the run (the run is closed then even
+        if freeing raised).
         """
         try:
             self._set_phase(RunPhase.CLOSED)
         except StaleRunError:
             return False  # closed already
-        await on_loop(self._dataplane.loop, self._comm.close)
-        await self._offload.to_thread(self._store.close_blocking)
+        try:
+            await on_loop(self._dataplane.loop, self._comm.close)
+        finally:
+            try:
+                await self._offload.to_thread(self._store.close_blocking)
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
         return True
 
     def statistics(self) -> RunStatistics:
