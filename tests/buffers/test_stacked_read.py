@@ -1,17 +1,22 @@
-"""Outputs whose shards lie one after another in memory are read by one move per shard."""
+"""Outputs whose shards lie one after another in memory are read by one move per shard (one
+read per run of shards that also lie one after another on disk), by both stores."""
 
 from __future__ import annotations
 
 import itertools
+import tempfile
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rechunk_p2p.buffers import MemoryShardStore
+from rechunk_p2p.buffers import DiskShardStore, MemoryShardStore
+from rechunk_p2p.buffers.wire import pack_blocking
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.planning import Partial
+
+KINDS = ["memory", "disk", "disk-packed"]
 
 
 def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> Partial:
@@ -19,14 +24,23 @@ def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...
     return Partial(zeros, zeros, zeros, old, new)
 
 
-def write_all(store: MemoryShardStore, partial: Partial, data: np.ndarray) -> None:
-    """Every shard of ``data`` (the partial's whole array), as the engine cuts them."""
+def new_store(kind: str, dtype: np.dtype, name: str, directory: str):
+    if kind == "memory":
+        return MemoryShardStore(dtype, name)
+    return DiskShardStore(dtype, directory, name)
+
+
+def write_all(store, partial: Partial, data: np.ndarray, packed: bool = False) -> None:
+    """Every shard of ``data`` (the partial's whole array), as the engine cuts them: one
+    write per input, of its shards or (``packed``) of one batch holding them, as received."""
     starts = [np.cumsum((0, *c)) for c in partial.old_chunks]
     for flat, index in enumerate(itertools.product(*(range(n) for n in partial.old_grid))):
         chunk = data[tuple(slice(s[i], s[i + 1]) for s, i in zip(starts, index))]
-        store.write_blocking(
-            (out, flat, chunk[where]) for out, where in partial.shards_of_input(flat)
-        )
+        shards = [(out, flat, chunk[where]) for out, where in partial.shards_of_input(flat)]
+        if packed:
+            store.write_packed_blocking([pack_blocking(shards, data.dtype)])
+        else:
+            store.write_blocking(shards)
 
 
 def chunks_summing_to(n: int) -> st.SearchStrategy[tuple[int, ...]]:
@@ -44,14 +58,23 @@ def chunks_summing_to(n: int) -> st.SearchStrategy[tuple[int, ...]]:
         )
     )
 )
-def test_stacked_outputs_match_the_placed_ones(case):
+@pytest.mark.parametrize("kind", KINDS)
+def test_stacked_outputs_match_the_placed_ones(kind, case):
     old, new, dtype = case
     partial = partial_of(old, new)
     shape = tuple(sum(c) for c in old)
     data = np.arange(int(np.prod(shape))).astype(dtype).reshape(shape)
-    stacked, placed = MemoryShardStore(data.dtype, "s"), MemoryShardStore(data.dtype, "p")
-    write_all(stacked, partial, data)
-    write_all(placed, partial, data)
+    with tempfile.TemporaryDirectory() as directory:
+        stacked = new_store(kind, data.dtype, "s", directory)
+        placed = new_store(kind, data.dtype, "p", directory)
+        write_all(stacked, partial, data, packed=kind == "disk-packed")
+        write_all(placed, partial, data, packed=kind == "disk-packed")
+        compare_reads(partial, data, stacked, placed)
+        stacked.close_blocking()
+        placed.close_blocking()
+
+
+def compare_reads(partial: Partial, data: np.ndarray, stacked, placed) -> None:
     for flat in range(partial.n_outputs):
         want = np.empty(partial.output_shape(flat), data.dtype)
         placement = dict(partial.shards_of_output(flat))
@@ -71,8 +94,9 @@ def test_maps_to_time_series_and_rows_to_columns_are_stacked_blocks_to_tiles_are
     assert partial_of(((2, 2), (2, 2)), ((4,), (4,))).stacked_inputs(0) is None
 
 
-def test_a_missing_shard_stops_the_read_and_a_wrong_size_raises():
-    store = MemoryShardStore(np.dtype("f8"), "m")
+@pytest.mark.parametrize("kind", KINDS[:2])
+def test_a_missing_shard_stops_the_read_and_a_wrong_size_raises(kind, tmp_path):
+    store = new_store(kind, np.dtype("f8"), "m", str(tmp_path))
     store.write_blocking([(0, 0, np.ones((1, 2))), (0, 2, np.ones((1, 2)))])
     out = np.empty((3, 2))
     assert store.read_stacked_blocking(0, out, [0, 1, 2]) == [0]  # the caller names input 1
