@@ -48,12 +48,6 @@ class OffloadPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
 
-    def submit_blocking(
-        self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
-    ) -> concurrent.futures.Future[T]:
-        """From a task thread: queue ``fn`` on the pool without waiting for it."""
-        return self._executor.submit(fn, *args, **kwargs)
-
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait``, let queued work finish first."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
@@ -69,8 +63,7 @@ def from_thread(
     """From a thread (never the loop's own): run ``coro_fn(*args)`` on ``loop``, block for it."""
     if _running_loop() is loop:
         raise RechunkRunError("from_thread() was called on the loop it would block")
-    future = asyncio.run_coroutine_threadsafe(_call(coro_fn, *args, **kwargs), loop)
-    return future.result(timeout)
+    return _submit(loop, coro_fn, args, kwargs).result(timeout)
 
 
 async def on_loop(
@@ -79,8 +72,23 @@ async def on_loop(
     """From one event loop: run ``coro_fn(*args)`` on ``loop`` and await it."""
     if asyncio.get_running_loop() is loop:
         return await coro_fn(*args, **kwargs)
-    future = asyncio.run_coroutine_threadsafe(_call(coro_fn, *args, **kwargs), loop)
-    return await asyncio.wrap_future(future)
+    return await asyncio.wrap_future(_submit(loop, coro_fn, args, kwargs))
+
+
+def _submit(
+    loop: asyncio.AbstractEventLoop,
+    coro_fn: Callable[..., Awaitable[T]],
+    args: tuple,
+    kwargs: dict,
+) -> concurrent.futures.Future[T]:
+    """Schedule ``coro_fn(*args, **kwargs)`` on ``loop``; a loop that is closed raises
+    ``RuntimeError`` and leaves no coroutine behind never awaited."""
+    coro = _call(coro_fn, *args, **kwargs)
+    try:
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+    except BaseException:
+        coro.close()
+        raise
 
 
 async def _call(coro_fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:

@@ -69,15 +69,18 @@ def storage(request, monkeypatch):
     """Run a test with each storage kind.
 
     gen_cluster resets ``dask.config`` to ``distributed.utils_test.original_config`` when the
-    cluster starts, so the setting goes there too (else it would silently be "auto").
+    cluster starts, so the setting goes there too (else it would silently be "auto"). With
+    disk storage the write buffer is small (256 bytes), so that these small arrays reach the disk
+    while the run goes on, as large ones do, rather than only when they are read.
     """
     import copy
 
     import dask
     import distributed.utils_test
 
+    settings = {"storage": request.param, "disk-write-buffer-bytes": "256B"}
     original = copy.deepcopy(distributed.utils_test.original_config)
-    dask.config.update(original, {"rechunk-p2p": {"storage": request.param}})
+    dask.config.update(original, {"rechunk-p2p": settings})
     monkeypatch.setattr(distributed.utils_test, "original_config", original)
-    with dask.config.set({"rechunk-p2p.storage": request.param}):
+    with dask.config.set({f"rechunk-p2p.{k}": v for k, v in settings.items()}):
         yield request.param

@@ -32,6 +32,7 @@ def make_store(
     dtype: np.dtype,
     directory: str | os.PathLike[str] | None,
     name: str,
+    buffer_bytes: int = 0,
 ) -> ShardStore:
     """Create an empty shard store.
 
@@ -49,6 +50,9 @@ def make_store(
     name
         Names the store in error messages (and its directory); for example the rechunk's
         id, run id and sub-shuffle.
+    buffer_bytes
+        For ``"disk"``: bytes of shards gathered before a write (see
+        :class:`DiskShardStore`). Ignored for ``"memory"``.
 
     Examples
     --------
@@ -63,7 +67,7 @@ def make_store(
     if kind == "memory":
         return MemoryShardStore(dtype, name)
     if kind == "disk":
-        return DiskShardStore(dtype, directory, name)
+        return DiskShardStore(dtype, directory, name, buffer_bytes)
     raise RechunkInputError(
         f"Unknown shard store kind {kind!r} for store {name!r}; expected one of "
         f"{STORE_KINDS} (resolve 'auto' before creating the store)."

@@ -93,12 +93,20 @@ class DiskShardStore:
         parents are created too and removed again at close if still empty.
     name
         Names the store in error messages and on disk.
+    buffer_bytes
+        Shards gathered in memory before they are written, ordered by output, so that an
+        output is read back in a few large reads instead of one per shard (``0``: each write
+        goes to disk at once). They count as held bytes like spilled ones.
     """
 
     kind = "disk"
 
     def __init__(
-        self, dtype: np.dtype, directory: str | os.PathLike[str] | None, name: str
+        self,
+        dtype: np.dtype,
+        directory: str | os.PathLike[str] | None,
+        name: str,
+        buffer_bytes: int = 0,
     ) -> None:
         self.dtype = np.dtype(dtype)
         self.name = name
@@ -113,6 +121,9 @@ class DiskShardStore:
         self._close_done = threading.Event()
         self._inflight = 0
         self._end = 0
+        self._buffer_bytes = int(buffer_bytes)
+        self._pending: list[tuple[np.ndarray, list[memoryview]]] = []  # not written yet
+        self._pending_bytes = 0
         self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
         self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
         self._held: set[int] = set()  # outputs with spilled shards not read yet
@@ -172,9 +183,9 @@ class DiskShardStore:
         payloads: list,
         sizes: Sequence[int],
     ) -> int:
-        """Append shards to the data file and index them. ``payloads`` hold the shards'
-        bytes one after another (one buffer per shard, or a few buffers holding several);
-        ``sizes`` are the shards' byte counts."""
+        """Store shards: write them to the data file now, or gather them in the write buffer
+        until it is full. ``payloads`` hold the shards' bytes one after another (one buffer
+        per shard, or one buffer holding them all); ``sizes`` are their byte counts."""
         if not outputs:
             return 0
         with self._lock:
@@ -192,6 +203,47 @@ class DiskShardStore:
         total = int(rows["nbytes"].sum())
         if not len(rows):
             return 0
+        if self._buffer_bytes <= 0:
+            self._write_rows_blocking(rows, [memoryview(p).cast("B") for p in payloads])
+            with self._lock:
+                self._held.update(rows["output"].tolist())
+                self._ledger.stored(len(rows), total)
+            return total
+        views = _shard_views(payloads, rows["nbytes"])
+        with self._lock:
+            if self._closed:
+                self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
+                raise closed_error(self.kind, self.name, "write shards")
+            self._pending.append((rows, views))
+            self._pending_bytes += total
+            self._held.update(rows["output"].tolist())
+            self._ledger.stored(len(rows), total)
+            full = self._take_pending_locked() if self._pending_bytes >= self._buffer_bytes else []
+        if full:  # written by this writer: in the background it was slower (disk contention)
+            self._flush_blocking(full)
+        return total
+
+    def _take_pending_locked(self) -> list[tuple[np.ndarray, list[memoryview]]]:
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        return pending
+
+    def _flush_blocking(self, pending: list[tuple[np.ndarray, list[memoryview]]]) -> None:
+        """Write gathered shards ordered by output and input, so that each output's shards
+        lie one after another in the file: reading it back is one ``pread`` per flush."""
+        rows = np.concatenate([r for r, _ in pending])
+        views = [v for _, vs in pending for v in vs]
+        order = np.lexsort((rows["input"], rows["output"]))
+        try:
+            self._write_rows_blocking(rows[order], [views[k] for k in order.tolist()])
+        except RechunkRunError:
+            if not self._closed:
+                raise
+            # closed meanwhile: the shards were accepted before, and dropped by the close
+
+    def _write_rows_blocking(self, rows: np.ndarray, views: list[memoryview]) -> None:
+        """Write ``views`` (the bytes of ``rows``, in order) at the end of the data file, then
+        publish the rows with their offsets."""
+        total = int(rows["nbytes"].sum())
         with self._lock:
             if self._closed:
                 self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
@@ -202,7 +254,7 @@ class DiskShardStore:
         rows["offset"] = start + np.cumsum(rows["nbytes"]) - rows["nbytes"]
         try:
             fd = self._ensure_file_blocking()
-            pwritev_all(fd, [memoryview(p).cast("B") for p in payloads], start)
+            pwritev_all(fd, views, start)
         except OSError as exc:
             with self._lock:
                 self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
@@ -210,10 +262,7 @@ class DiskShardStore:
             raise self._storage_error(exc, f"write {total} bytes of shards") from exc
         with self._lock:
             self._unsorted.append(rows)
-            self._held.update(rows["output"].tolist())
-            self._ledger.stored(len(rows), total)
             self._release_locked()
-        return total
 
     def _shape_ids_locked(self, shapes: Sequence[tuple[int, ...]]) -> list[int] | int:
         """Ids of ``shapes`` in the store's table of shapes (one id when they are all one)."""
@@ -305,6 +354,10 @@ class DiskShardStore:
         """Remove and return the index rows of ``output``, sorted by input (under `_lock`
         only briefly: rows written since the last read are sorted outside it)."""
         with self._sort_lock:
+            with self._lock:
+                pending = self._take_pending_locked()
+            if pending:
+                self._flush_blocking(pending)
             with self._lock:
                 unsorted, self._unsorted = self._unsorted, []
             if unsorted:
@@ -482,6 +535,8 @@ class DiskShardStore:
             while self._inflight:
                 self._idle.wait()
             self._index.clear()
+            self._pending.clear()
+            self._pending_bytes = 0
             self._unsorted.clear()
             self._held.clear()
             self._ledger.clear()
@@ -620,6 +675,17 @@ def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list:
     ends = np.cumsum(sizes).tolist()
     starts = [0, *ends[:-1]]
     return [joined[a:b] for a, b, k in zip(starts, ends, keep.tolist()) if k]
+
+
+def _shard_views(payloads: list, sizes: np.ndarray) -> list[memoryview]:
+    """One memoryview per shard of ``payloads`` (one buffer per shard, or one holding all
+    of them one after another, ``sizes`` bytes each)."""
+    flat = [memoryview(p).cast("B") for p in payloads]
+    if len(flat) == len(sizes):
+        return flat
+    (whole,) = flat
+    ends = np.cumsum(sizes).tolist()
+    return [whole[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
 def _file_by_output(rows: np.ndarray) -> list[tuple[int, np.ndarray]]:

@@ -195,6 +195,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             dtype=run_spec.spec.dtype,
             directory=directory,
             name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
+            buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
         )
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 

@@ -7,8 +7,6 @@ Where it runs: ``add_input_blocking`` and ``get_output_blocking`` in task thread
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import enum
 import itertools
 import threading
@@ -59,8 +57,7 @@ class PhaseSeconds:
     ----------
     cut
         Task threads cutting input chunks into shards and packing them (this worker's own
-        shards stored included with the memory store; the disk store's are spilled on the
-        offload pool, counted in ``store``).
+        shards stored included).
     queue_wait
         Task threads queueing packed shards for sending: waiting while the send buffer
         was full (back-pressure), and handing the shards to the data plane's loop.
@@ -68,8 +65,7 @@ class PhaseSeconds:
         Sends in flight on the data plane, summed over concurrent sends (a send's time is
         the peer's receive and store too: the ack comes after them).
     store
-        The offload pool writing received batches (and, with the disk store, this worker's
-        own shards) to the store.
+        The offload pool writing received batches to the store.
     assemble
         Task threads reading shards back and assembling output chunks.
     """
@@ -146,9 +142,6 @@ class WorkerRun:
         self._comm = comm
         self._on_close = on_close
         self._lock = threading.Lock()
-        self._local_slot = threading.Semaphore(1)  # own shards being spilled by the pool
-        self._local_pending: set[concurrent.futures.Future] = set()
-        self._local_error: BaseException | None = None
         self._phase = RunPhase.TRANSFERRING
         self._inputs = 0
         self._outputs = 0
@@ -217,8 +210,7 @@ class WorkerRun:
         start = time.perf_counter()
         local, remote = self._cut_blocking(flat, data)
         if isinstance(local, Packed):
-            self._spill_local_blocking(local)
-            nbytes = 0  # counted when written
+            nbytes = self._store.write_packed_blocking([local])
         else:
             nbytes = self._store.write_blocking(local) if local else 0
         cut = time.perf_counter()
@@ -229,42 +221,6 @@ class WorkerRun:
             self._inputs += 1
             self._seconds["cut"] += cut - start
             self._seconds["queue_wait"] += time.perf_counter() - cut
-
-    def _spill_local_blocking(self, packed: Packed) -> None:
-        """Write this worker's own shards of an input to the disk store on the offload pool,
-        while the task thread goes on to the next task; waits while the previous one is
-        still being written (one at a time per run bounds the memory they hold). A failed
-        write fails the next input and the barrier."""
-        self._local_slot.acquire()
-        try:
-            self._raise_local_error()
-            future = self._offload.submit_blocking(self._write_local_blocking, packed)
-        except BaseException:
-            self._local_slot.release()
-            raise
-        with self._lock:
-            self._local_pending.add(future)
-        future.add_done_callback(self._local_written)
-
-    def _write_local_blocking(self, packed: Packed) -> None:
-        start = time.perf_counter()
-        nbytes = self._store.write_packed_blocking([packed])
-        with self._lock:
-            self._bytes_local += nbytes
-            self._seconds["store"] += time.perf_counter() - start
-
-    def _local_written(self, future: concurrent.futures.Future) -> None:
-        with self._lock:
-            self._local_pending.discard(future)
-            if future.exception() is not None and self._local_error is None:
-                self._local_error = future.exception()
-        self._local_slot.release()
-
-    def _raise_local_error(self) -> None:
-        with self._lock:
-            error = self._local_error
-        if error is not None:
-            raise error
 
     def _cut_blocking(
         self, flat: int, data: np.ndarray
@@ -436,14 +392,9 @@ class WorkerRun:
     # --- worker loop --------------------------------------------------------------------------
 
     async def pass_barrier(self) -> None:
-        """The barrier: all inputs were transferred; wait until this worker's sends arrived
-        and its own shards are written."""
+        """The barrier: all inputs were transferred; wait until this worker's sends arrived."""
         self._raise_if_closed()
         await on_loop(self._dataplane.loop, self._comm.flush)
-        with self._lock:
-            pending = list(self._local_pending)
-        await asyncio.gather(*map(asyncio.wrap_future, pending), return_exceptions=True)
-        self._raise_local_error()
         self._set_phase(RunPhase.BARRIER_PASSED)
 
     async def close(self) -> bool:

@@ -11,7 +11,10 @@ import pytest
 
 from rechunk_p2p.buffers import ShardStore, make_store
 
-KINDS = ("memory", "disk")
+#: "disk-buffered": a disk store that gathers shards in a small write buffer (flushed every
+#: few writes, and before reads), ordered by output
+KINDS = ("memory", "disk", "disk-buffered")
+BUFFERED_BYTES = 100
 
 MakeStore = Callable[..., ShardStore]
 
@@ -33,7 +36,13 @@ def make(kind: str, spill_dir: Path) -> Iterator[MakeStore]:
     stores: list[ShardStore] = []
 
     def factory(dtype: object = "f8", name: str = "rechunk-abc-run-1-sub-0") -> ShardStore:
-        store = make_store(kind, dtype=np.dtype(dtype), directory=spill_dir, name=name)
+        store = make_store(
+            "disk" if kind.startswith("disk") else kind,  # type: ignore[arg-type]
+            dtype=np.dtype(dtype),
+            directory=spill_dir,
+            name=name,
+            buffer_bytes=BUFFERED_BYTES if kind == "disk-buffered" else 0,
+        )
         stores.append(store)
         return store
 

@@ -16,7 +16,7 @@ from rechunk_p2p.buffers.wire import pack_blocking
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.planning import Partial
 
-KINDS = ["memory", "disk", "disk-packed"]
+KINDS = ["memory", "disk", "disk-packed", "disk-buffered"]
 
 
 def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> Partial:
@@ -27,7 +27,7 @@ def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...
 def new_store(kind: str, dtype: np.dtype, name: str, directory: str):
     if kind == "memory":
         return MemoryShardStore(dtype, name)
-    return DiskShardStore(dtype, directory, name)
+    return DiskShardStore(dtype, directory, name, buffer_bytes=64 if kind == "disk-buffered" else 0)
 
 
 def write_all(store, partial: Partial, data: np.ndarray, packed: bool = False) -> None:
@@ -67,8 +67,8 @@ def test_stacked_outputs_match_the_placed_ones(kind, case):
     with tempfile.TemporaryDirectory() as directory:
         stacked = new_store(kind, data.dtype, "s", directory)
         placed = new_store(kind, data.dtype, "p", directory)
-        write_all(stacked, partial, data, packed=kind == "disk-packed")
-        write_all(placed, partial, data, packed=kind == "disk-packed")
+        write_all(stacked, partial, data, packed=kind != "disk")
+        write_all(placed, partial, data, packed=kind != "disk")
         compare_reads(partial, data, stacked, placed)
         stacked.close_blocking()
         placed.close_blocking()
@@ -94,7 +94,7 @@ def test_maps_to_time_series_and_rows_to_columns_are_stacked_blocks_to_tiles_are
     assert partial_of(((2, 2), (2, 2)), ((4,), (4,))).stacked_inputs(0) is None
 
 
-@pytest.mark.parametrize("kind", KINDS[:2])
+@pytest.mark.parametrize("kind", ["memory", "disk", "disk-buffered"])
 def test_a_missing_shard_stops_the_read_and_a_wrong_size_raises(kind, tmp_path):
     store = new_store(kind, np.dtype("f8"), "m", str(tmp_path))
     store.write_blocking([(0, 0, np.ones((1, 2))), (0, 2, np.ones((1, 2)))])
@@ -106,3 +106,29 @@ def test_a_missing_shard_stops_the_read_and_a_wrong_size_raises(kind, tmp_path):
     store.close_blocking()
     with pytest.raises(RechunkRunError, match="closed"):
         store.read_stacked_blocking(1, out, [0])
+
+
+@pytest.mark.parametrize(("buffer_bytes", "reads"), [(0, 64), (2**20, 1), (64 * 64 * 8 // 4, 4)])
+def test_a_write_buffer_lays_each_output_out_in_one_piece_per_flush(
+    tmp_path, monkeypatch, buffer_bytes, reads
+):
+    """64 row chunks -> 8 column chunks of 8 float64: written as they arrive, each output is
+    64 reads; gathered in a buffer holding everything, one; in one holding a quarter, four."""
+    import os
+
+    partial = partial_of(((1,) * 64, (64,)), ((64,), (8,) * 8))
+    data = np.arange(64 * 64, dtype="f8").reshape(64, 64)
+    store = DiskShardStore(data.dtype, str(tmp_path), "b", buffer_bytes=buffer_bytes)
+    write_all(store, partial, data, packed=True)
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: calls.append(a[2]) or real(*a))
+    for flat in range(8):
+        calls.clear()
+        out = np.empty((64, 8))
+        assert store.read_stacked_blocking(flat, out, partial.stacked_inputs(flat)) == list(
+            range(64)
+        )
+        np.testing.assert_array_equal(out, data[:, flat * 8 : flat * 8 + 8])
+        assert len(calls) == reads
+    store.close_blocking()
