@@ -48,6 +48,28 @@ async def test_three_workers_3d(c, s, a, b, w3, storage):
 
 
 @gen_cluster(
+    client=True,
+    nthreads=NTHREADS_2,
+    config={"rechunk-p2p.storage": "disk", "rechunk-p2p.comm.run-buffer-bytes": "16KiB"},
+)
+async def test_with_disk_storage_memory_held_stays_within_the_configured_buffers(c, s, a, b):
+    """The engine's own statistics: the disk store's write buffer holds at most its size
+    plus one input chunk's shards (the write that fills it), the send queue at most the
+    run's budget; everything else went to disk."""
+    from rechunk_p2p.spec import PLUGIN_NAME
+
+    buffer_bytes = 8 * 2**10
+    x = da.random.default_rng(3).random((400, 400), chunks=(10, 400))  # 32 KB inputs
+    with dask.config.set({"rechunk-p2p.disk-write-buffer-bytes": buffer_bytes}):
+        await _check(c, s, [a, b], x, (400, 10))
+    totals = [w.plugins[PLUGIN_NAME].totals() for w in (a, b)]
+    for t in totals:
+        assert buffer_bytes <= t.max_bytes_stored_in_memory <= buffer_bytes + 32_000, t
+        assert 0 < t.max_bytes_queued <= 16 * 2**10, t
+        assert t.bytes_spilled > 400 * 400 * 8 // 2 // 2, t  # most of its half on disk
+
+
+@gen_cluster(
     client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.comm.run-buffer-bytes": "16KiB"}
 )
 async def test_a_run_budget_bounds_each_workers_send_queue(c, s, a, b, storage):

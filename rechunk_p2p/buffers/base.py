@@ -54,6 +54,9 @@ class StoreStatistics:
         discarded yet. Zero after close.
     outputs
         Output indices that currently have data.
+    max_bytes_in_memory
+        The most shard bytes the store held in memory at once (memory: everything it held;
+        disk: its write buffer).
     """
 
     kind: str
@@ -63,6 +66,7 @@ class StoreStatistics:
     bytes_read: int
     bytes_buffered: int
     outputs: int
+    max_bytes_in_memory: int = 0
 
 
 class ShardLedger:
@@ -70,7 +74,15 @@ class ShardLedger:
     both stores share: which ``(output, input)`` pairs were stored, and the byte counters.
     """
 
-    __slots__ = ("_seen", "bytes_buffered", "bytes_read", "bytes_written", "duplicates", "shards")
+    __slots__ = (
+        "_seen",
+        "bytes_buffered",
+        "bytes_read",
+        "bytes_written",
+        "duplicates",
+        "max_bytes_in_memory",
+        "shards",
+    )
 
     def __init__(self) -> None:
         self._seen: set[tuple[int, int]] = set()
@@ -79,6 +91,11 @@ class ShardLedger:
         self.bytes_written = 0
         self.bytes_read = 0
         self.bytes_buffered = 0
+        self.max_bytes_in_memory = 0
+
+    def in_memory(self, nbytes: int) -> None:
+        """The store holds ``nbytes`` of shards in memory now (keeps the peak)."""
+        self.max_bytes_in_memory = max(self.max_bytes_in_memory, nbytes)
 
     def admit(self, output: int, input_: int) -> bool:
         """Whether the pair is new (and is now taken); a pair seen before counts a duplicate."""
@@ -128,6 +145,7 @@ class ShardLedger:
             bytes_read=self.bytes_read,
             bytes_buffered=self.bytes_buffered,
             outputs=outputs,
+            max_bytes_in_memory=self.max_bytes_in_memory,
         )
 
 

@@ -216,6 +216,7 @@ class DiskShardStore:
                 raise closed_error(self.kind, self.name, "write shards")
             self._pending.append((rows, views))
             self._pending_bytes += total
+            self._ledger.in_memory(self._pending_bytes)
             self._held.update(rows["output"].tolist())
             self._ledger.stored(len(rows), total)
             full = self._take_pending_locked() if self._pending_bytes >= self._buffer_bytes else []

@@ -69,6 +69,7 @@ class MemoryShardStore:
                     accepted += array.nbytes
                     shards += 1
             self._ledger.stored(shards, accepted)
+            self._ledger.in_memory(self._ledger.bytes_buffered)
         return accepted
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:

@@ -55,6 +55,7 @@ class WorkerTotals:
     bytes_spilled: int
     max_bytes_queued: int = 0  # the most any one run had queued for sending at once
     phases: PhaseSeconds = field(default_factory=PhaseSeconds)
+    max_bytes_stored_in_memory: int = 0  # the most any one run's store held in memory
 
     def plus(self, run: RunStatistics) -> WorkerTotals:
         """These totals with one more run counted."""
@@ -65,6 +66,7 @@ class WorkerTotals:
             self.bytes_spilled + run.bytes_spilled,
             max(self.max_bytes_queued, run.max_bytes_queued),
             self.phases + run.phases,
+            max(self.max_bytes_stored_in_memory, run.max_bytes_stored_in_memory),
         )
 
 

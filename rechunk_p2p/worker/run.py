@@ -96,6 +96,7 @@ class RunStatistics:
     bytes_spilled: int
     bytes_buffered: int
     max_bytes_queued: int = 0  # most bytes this run had queued for sending at once
+    max_bytes_stored_in_memory: int = 0  # most shard bytes its store held in memory at once
     phases: PhaseSeconds = field(default_factory=PhaseSeconds)
 
 
@@ -434,5 +435,6 @@ class WorkerRun:
                 bytes_spilled=store.bytes_written if store.kind == "disk" else 0,
                 bytes_buffered=store.bytes_buffered,
                 max_bytes_queued=comm.max_bytes_queued,
+                max_bytes_stored_in_memory=store.max_bytes_in_memory,
                 phases=PhaseSeconds(send=comm.send_seconds, **self._seconds),
             )
