@@ -8,6 +8,7 @@ outcome and that nothing is left open or held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 
@@ -43,19 +44,25 @@ def expected_output(flat: int) -> np.ndarray:
     return full[:, flat * width : (flat + 1) * width]
 
 
-TUNING_USERS_BEFORE = [0]
-
-
 @pytest.fixture
 def seam(tmp_path):
-    """``(scheduler, network, plugins)`` for workers a and b, made inside the test's loop."""
-    TUNING_USERS_BEFORE[0] = plugin_module._tuning._users
+    """``async with seam(storage, run_id) as (scheduler, network, plugins)``: workers a and
+    b, made inside the test's loop; on the way out every run is closed, and the test fails
+    if anything was left open, held or on disk."""
 
-    def make(storage: str = "memory", run_id: int = 1):
+    @contextlib.asynccontextmanager
+    async def make(storage: str = "memory", run_id: int = 1):
+        tuning_before = plugin_module._tuning._users
         scheduler = FakeScheduler(make_run_spec(WORKERS, run_id, storage, ROWS, COLUMNS))
         network = Network()
         plugins = [fake_worker(w, scheduler, network, str(tmp_path / w)) for w in WORKERS]
-        return scheduler, network, plugins
+        try:
+            yield scheduler, network, plugins
+        finally:
+            if network.hold is not None:
+                network.hold.set()
+            await close_all(plugins)
+        assert_nothing_left(plugins, tmp_path, tuning_before)
 
     return make
 
@@ -90,11 +97,11 @@ async def assert_outputs(plugins, run_id: int = 1) -> None:
         np.testing.assert_array_equal(out, expected_output(flat))
 
 
-def assert_nothing_left(plugins, tmp_path) -> None:
+def assert_nothing_left(plugins, tmp_path, tuning_before: int) -> None:
     for p in plugins:
         assert not p.runs
         assert p.dataplane.limiter.used == 0
-    assert plugin_module._tuning._users == TUNING_USERS_BEFORE[0]  # every run released it
+    assert plugin_module._tuning._users == tuning_before  # every run released it
     leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []
 
@@ -102,24 +109,19 @@ def assert_nothing_left(plugins, tmp_path) -> None:
 @pytest.mark.parametrize("storage", ["memory", "disk"])
 @gen_test()
 async def test_a_run_through_the_seam_assembles_every_output(seam, tmp_path, storage):
-    _scheduler, _, plugins = seam(storage)
-    try:
+    async with seam(storage) as (_, _, plugins):
         assert await transfer_all(plugins) == [1] * ROWS
         assert await barrier(plugins[0], [1] * ROWS) == 1
         await assert_outputs(plugins)
         stats = [p.runs[SHUFFLE].statistics() for p in plugins]
         assert sum(s.outputs for s in stats) == COLUMNS
         assert all(s.bytes_received > 0 and s.bytes_sent > 0 for s in stats)
-    finally:
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
 async def test_a_close_overtaking_the_run_reply_leaves_no_run(seam, tmp_path):
-    scheduler, _, plugins = seam("disk")
-    scheduler.gate = asyncio.Event()
-    try:
+    async with seam("disk") as (scheduler, _, plugins):
+        scheduler.gate = asyncio.Event()
         transfer = asyncio.ensure_future(
             asyncio.to_thread(plugins[0].transfer_blocking, SHUFFLE, 0, input_chunk(0))
         )
@@ -129,9 +131,6 @@ async def test_a_close_overtaking_the_run_reply_leaves_no_run(seam, tmp_path):
         scheduler.gate.set()
         with pytest.raises(StaleRunError, match="closed before a joined it"):
             await transfer
-    finally:
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
@@ -141,17 +140,13 @@ async def test_transient_send_errors_are_retried(seam, tmp_path):
             raise OSError(f"injected failure {attempt} of {sender} -> {address}")
 
     with dask.config.set(FAST_RETRIES):
-        _scheduler, network, plugins = seam()
-        network.fail = fail_twice
-        try:
+        async with seam() as (_, network, plugins):
+            network.fail = fail_twice
             await transfer_all(plugins)
             await barrier(plugins[0], [1] * ROWS)
             await assert_outputs(plugins)
             retries = [p.runs[SHUFFLE]._comm.statistics().retries for p in plugins]
             assert retries == [2, 2]
-        finally:
-            await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
@@ -160,39 +155,30 @@ async def test_errors_past_the_retry_count_fail_the_barrier_naming_the_peer(seam
         raise ConnectionRefusedError("injected: nobody listens")
 
     with dask.config.set({**FAST_RETRIES, "rechunk-p2p.comm.retry-count": 2}):
-        _scheduler, network, plugins = seam()
-        network.fail = always
-        try:
+        async with seam() as (_, network, plugins):
+            network.fail = always
             await transfer_all(plugins)
             with pytest.raises(RechunkCommError, match=r"cannot deliver shards .* at dp-"):
                 await barrier(plugins[0], [1] * ROWS)
             assert max(network.attempts.values()) == 3  # the first try and two retries
-        finally:
-            await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
 async def test_duplicate_deliveries_are_dropped(seam, tmp_path):
-    _scheduler, network, plugins = seam("disk")
-    network.copies = 2  # e.g. a retry after an ack was lost
-    try:
+    async with seam("disk") as (_, network, plugins):
+        network.copies = 2  # e.g. a retry after an ack was lost
         await transfer_all(plugins)
         await barrier(plugins[0], [1] * ROWS)
         await assert_outputs(plugins)
         # each worker receives 4 shards (the other worker's rows) for each of its 2 outputs
         duplicates = [p.runs[SHUFFLE]._store.statistics().duplicates for p in plugins]
         assert duplicates == [8, 8]
-    finally:
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
 async def test_shards_sent_to_the_wrong_worker_are_refused(seam, tmp_path):
-    _scheduler, network, plugins = seam()
-    network.misroute = {"dp-b": "dp-a"}  # a stale or wrong address of b's data plane
-    try:
+    async with seam() as (_, network, plugins):
+        network.misroute = {"dp-b": "dp-a"}  # a stale or wrong address of b's data plane
         # the refusal fails a's send buffer: a later transfer on b or the barrier raises it
         outcomes = await transfer_all(plugins, return_exceptions=True)
         try:
@@ -204,16 +190,12 @@ async def test_shards_sent_to_the_wrong_worker_are_refused(seam, tmp_path):
         assert all("reached a, which does not assemble" in str(e) for e in errors)
         assert isinstance(outcomes[-1], RechunkRunError)  # the barrier fails too
         assert plugins[0].runs[SHUFFLE]._store.statistics().outputs == 2  # a's only
-    finally:
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
 async def test_shards_of_a_newer_run_open_it_and_of_an_older_run_are_refused(seam, tmp_path):
-    scheduler, _network, plugins = seam()
-    a, b = plugins
-    try:
+    async with seam() as (scheduler, _, plugins):
+        a, b = plugins
         first = await asyncio.to_thread(a.get_run_blocking, SHUFFLE)
         assert first.run_id == 1
         scheduler.run_spec = make_run_spec(WORKERS, 2, "memory", ROWS, COLUMNS)  # restarted
@@ -225,9 +207,6 @@ async def test_shards_of_a_newer_run_open_it_and_of_an_older_run_are_refused(sea
         assert first.statistics().phase == "closed"
         with pytest.raises(StaleRunError, match=r"Shards for run 1 .* runs run 2"):
             await a.receive(SHUFFLE, 1, [])
-    finally:
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 async def barrier_flush(plugin, run_id: int) -> None:
@@ -238,8 +217,7 @@ async def barrier_flush(plugin, run_id: int) -> None:
 
 @gen_test()
 async def test_a_barrier_of_a_replaced_run_is_replied_as_an_error(seam, tmp_path):
-    _scheduler, _, plugins = seam(run_id=2)
-    try:
+    async with seam(run_id=2) as (_, _, plugins):
         await asyncio.to_thread(plugins[0].get_run_blocking, SHUFFLE)
         reply = await plugins[0]._worker_barrier(SHUFFLE, 1)
         with pytest.raises(StaleRunError, match=r"Barrier of run 1 .* runs run 2"):
@@ -247,15 +225,11 @@ async def test_a_barrier_of_a_replaced_run_is_replied_as_an_error(seam, tmp_path
         # and a barrier task whose transfers ran for an older run is rescheduled
         with pytest.raises(Reschedule):
             await barrier(plugins[0], [2] * (ROWS - 1) + [1])
-    finally:
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
 async def test_an_unpack_on_the_wrong_worker_pins_itself_to_the_owner(seam, tmp_path):
-    scheduler, _, plugins = seam()
-    try:
+    async with seam() as (scheduler, _, plugins):
         owner = scheduler.run_spec.worker_for(0)
         elsewhere = next(p for p in plugins if p.worker.address != owner)
         with pytest.raises(Reschedule):
@@ -264,18 +238,14 @@ async def test_an_unpack_on_the_wrong_worker_pins_itself_to_the_owner(seam, tmp_
         with pytest.raises(Reschedule):  # an unpack task of a replaced run
             await unpack(elsewhere, 0, run_id=0)
         assert len(scheduler.restricted) == 1
-    finally:
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)
 
 
 @gen_test()
 async def test_close_wakes_a_transfer_waiting_for_room_and_gives_every_byte_back(seam, tmp_path):
-    scheduler, network, plugins = seam()
-    a = plugins[0]
-    a.dataplane.limiter.limit = 1  # one batch in the send buffer at a time
-    network.hold = asyncio.Event()  # sends stay in flight
-    try:
+    async with seam() as (scheduler, network, plugins):
+        a = plugins[0]
+        a.dataplane.limiter.limit = 1  # one batch in the send buffer at a time
+        network.hold = asyncio.Event()  # sends stay in flight
         await asyncio.to_thread(a.transfer_blocking, SHUFFLE, 0, input_chunk(0))
         waiting = asyncio.ensure_future(
             asyncio.to_thread(a.transfer_blocking, SHUFFLE, 2, input_chunk(2))
@@ -288,7 +258,3 @@ async def test_close_wakes_a_transfer_waiting_for_room_and_gives_every_byte_back
             await asyncio.wait_for(waiting, 10)
         await asyncio.gather(*a._background)
         assert a.dataplane.limiter.used == 0
-    finally:
-        network.hold.set()
-        await close_all(plugins)
-    assert_nothing_left(plugins, tmp_path)

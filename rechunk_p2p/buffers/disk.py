@@ -458,12 +458,7 @@ class DiskShardStore:
         targets: list[tuple[int, memoryview]] = []
         staged: list[tuple[np.ndarray, np.ndarray]] = []
         shapes = self._shapes
-        for offset, nbytes, input_, shape_id in zip(
-            rows["offset"].tolist(),
-            rows["nbytes"].tolist(),
-            rows["input"].tolist(),
-            rows["shape"].tolist(),
-        ):
+        for offset, nbytes, input_, shape_id in _columns(rows):
             if not nbytes or input_ not in placement:
                 continue
             region = out[placement[input_]]
@@ -474,9 +469,7 @@ class DiskShardStore:
                 buffer = np.empty(shape, dtype=self.dtype)
                 staged.append((region, buffer))
                 targets.append((offset, memoryview(buffer.reshape(-1).view(np.uint8))))
-        targets.sort(key=lambda t: t[0])
-        for start, views in _coalesce(targets):
-            preadv_all(fd, views, start)
+        _read_targets_blocking(fd, targets)
         for region, buffer in staged:
             region[...] = buffer
 
@@ -489,12 +482,7 @@ class DiskShardStore:
         raw: list[tuple[int, int, np.ndarray]] = []  # (input, position in result, bytes)
         targets: list[tuple[int, memoryview]] = []
         shapes = self._shapes
-        for offset, nbytes, input_, shape_id in zip(
-            rows["offset"].tolist(),
-            rows["nbytes"].tolist(),
-            rows["input"].tolist(),
-            rows["shape"].tolist(),
-        ):
+        for offset, nbytes, input_, shape_id in _columns(rows):
             if self._pickled:
                 buffer = np.empty(nbytes, dtype=np.uint8)
                 raw.append((input_, len(result), buffer))
@@ -505,9 +493,7 @@ class DiskShardStore:
                 result.append((input_, array))
             if nbytes:
                 targets.append((offset, memoryview(buffer)))
-        targets.sort(key=lambda t: t[0])
-        for start, views in _coalesce(targets):
-            preadv_all(fd, views, start)
+        _read_targets_blocking(fd, targets)
         for input_, position, buffer in raw:
             result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer))))
         return result
@@ -687,6 +673,23 @@ def _shard_views(payloads: list, sizes: np.ndarray) -> list[memoryview]:
     (whole,) = flat
     ends = np.cumsum(sizes).tolist()
     return [whole[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def _columns(rows: np.ndarray) -> Iterable[tuple[int, int, int, int]]:
+    """``(offset, nbytes, input, shape id)`` of each index row, as Python ints."""
+    return zip(
+        rows["offset"].tolist(),
+        rows["nbytes"].tolist(),
+        rows["input"].tolist(),
+        rows["shape"].tolist(),
+    )
+
+
+def _read_targets_blocking(fd: int, targets: list[tuple[int, memoryview]]) -> None:
+    """Fill each ``(file offset, view)`` target, one ``preadv`` per run of adjacent ones."""
+    targets.sort(key=lambda t: t[0])
+    for start, views in _coalesce(targets):
+        preadv_all(fd, views, start)
 
 
 def _file_by_output(rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
