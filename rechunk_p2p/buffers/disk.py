@@ -3,16 +3,17 @@
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 
 Layout: a sub-directory of the worker's local directory, named after the store, holding one
-data file. A write call reserves a contiguous byte range of the file under the lock, then
-writes all of its shards with one ``os.pwritev`` (per ``IOV_MAX`` buffers) *outside* the
-lock, so concurrent writers never serialise on I/O; only then are the shards published in an
-in-memory index ``output -> [(offset, nbytes, input, shape)]``. A read takes an output's
-index entries under the lock and ``os.preadv``-s straight into fresh arrays (adjacent
-entries in one call). Fixed-width dtypes are stored as raw bytes; dtypes holding Python
-objects are pickled (protocol 5). Disk space of discarded outputs is reclaimed only when the
-store is closed, which removes the file and the directory.
+data file. Writes gather shards in a write buffer (``buffer_bytes``); the writer that fills it
+writes it, ordered by output and input, so that one output's shards lie one after another.
+A write reserves a contiguous byte range of the file under the lock, then writes with
+``os.pwritev`` (per ``IOV_MAX`` buffers) *outside* the lock, so concurrent writers never
+serialise on I/O; only then are the shards published in the index, numpy rows of
+:data:`ENTRY`. A read flushes the buffer, takes an output's rows and ``os.preadv``-s straight
+into the output or fresh arrays (adjacent byte ranges in one call). Fixed-width dtypes are
+stored as raw bytes; dtypes holding Python objects are pickled (protocol 5). Disk space of
+discarded outputs is reclaimed only when the store is closed, which removes the file and the
+directory.
 """
-
 from __future__ import annotations
 
 import contextlib
