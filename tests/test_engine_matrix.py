@@ -438,6 +438,9 @@ async def test_cancelling_one_of_two_computations_sharing_a_rechunk(c, s, a, b):
     allow_unclosed=False,
 )
 async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expected):
+    """``auto`` keeps shards in memory only within the budget, and the engine's own
+    statistics show what it held: each worker at most the shards of its own outputs (half
+    the array), within ``storage-memory-fraction`` of its memory limit."""
     await rechunk_p2p.register(c)
     arr = np.arange(40 * 30).reshape(40, 30)
     x = da.from_array(arr, chunks=(1, 30))
@@ -445,6 +448,10 @@ async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expe
         check_result(await c.compute(rechunk_p2p.rechunk(x, (40, 3))), arr)
     await assert_clean(s, a, b)
     assert_storage_used(expected, a, b)
+    held = [w.plugins[PLUGIN].totals().max_bytes_stored_in_memory for w in (a, b)]
+    assert all(0 < h <= arr.nbytes // 2 for h in held), held  # 5 of the 10 outputs each
+    if expected == "memory":
+        assert all(h <= fraction * 2 * 2**30 for h in held)
 
 
 @gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
