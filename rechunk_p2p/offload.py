@@ -136,6 +136,12 @@ class LoopThread:
         try:
             loop.run_forever()
         finally:
+            # as asyncio.run does: what is still pending (a connection handler that started
+            # as the loop stopped) is cancelled and runs its cleanup before the loop closes
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 

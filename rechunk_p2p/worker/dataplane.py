@@ -86,6 +86,7 @@ class DataPlane:
         self._listener: Any = None
         self._pool: ConnectionPool | None = None
         self._inbound: set[Any] = set()
+        self._stopping = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -134,6 +135,7 @@ class DataPlane:
         self._thread.stop_blocking()
 
     async def _stop(self) -> None:
+        self._stopping = True
         if self._listener is not None:
             self._listener.stop()
         for comm in list(self._inbound):  # peers may still hold their connections open
@@ -161,6 +163,9 @@ class DataPlane:
         )
 
     async def _handle_comm(self, comm: Any) -> None:
+        if self._stopping:  # accepted as the data plane stopped: no one would close it
+            comm.abort()
+            return
         self._inbound.add(comm)
         try:
             while True:

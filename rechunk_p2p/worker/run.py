@@ -256,9 +256,12 @@ class WorkerRun:
             if position != me:
                 packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
                 remote[run_spec.dataplanes[position]] = packed
-            elif self.storage == "memory":
-                if len(chosen) < len(blocks):
-                    part = part.copy()  # the store keeps it: do not pin the whole copy
+                continue
+            if len(chosen) < len(blocks):
+                # the store keeps it (memory, or the disk store's write buffer): do not pin
+                # the whole copy
+                part = part.copy()
+            if self.storage == "memory":
                 local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))
             else:  # spilled as one batch, as a received one is
                 spilled = pack_blocks(outputs[chosen], flat, part, spec.dtype)
