@@ -201,6 +201,18 @@ class RunSpec:
         n, w = max(len(spec.outputs), 1), len(self.workers)
         return (ranks * w // n + self.shift) % w
 
+    def owner_positions(self, flats: np.ndarray) -> np.ndarray:
+        """:meth:`worker_position` of many outputs, ``-1`` for those not built (culled away,
+        or not outputs of the sub-shuffle at all)."""
+        spec = self.spec
+        if spec.keep is None:
+            built = (flats >= 0) & (flats < spec.partial.n_outputs)
+        else:
+            built = np.isin(flats, spec.outputs_array)
+        positions = np.full(len(flats), -1, dtype=np.int64)
+        positions[built] = self.worker_positions(flats[built])
+        return positions
+
     def owners(self) -> frozenset[str]:
         """The workers that assemble at least one output of the run."""
         spec = self.spec

@@ -653,16 +653,9 @@ def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
     return sizes
 
 
-def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list:
-    """The byte ranges of the kept shards of ``payloads`` (shards laid one after another
-    across them, ``sizes`` bytes each), as buffers in order."""
-    flat = [memoryview(p).cast("B") for p in payloads]
-    if len(flat) == len(sizes):  # one buffer per shard
-        return [v for v, k in zip(flat, keep.tolist()) if k]
-    joined = flat[0] if len(flat) == 1 else memoryview(b"".join(flat))
-    ends = np.cumsum(sizes).tolist()
-    starts = [0, *ends[:-1]]
-    return [joined[a:b] for a, b, k in zip(starts, ends, keep.tolist()) if k]
+def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list[memoryview]:
+    """The bytes of the kept shards of ``payloads`` (see :func:`_shard_views`), in order."""
+    return [v for v, k in zip(_shard_views(payloads, sizes), keep.tolist()) if k]
 
 
 def _shard_views(payloads: list, sizes: np.ndarray) -> list[memoryview]:

@@ -19,8 +19,6 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
-from rechunk_p2p.buffers.disk import DiskShardStore
-from rechunk_p2p.buffers.memory import MemoryShardStore
 from rechunk_p2p.buffers.wire import (
     Packed,
     cut_regular_blocking,
@@ -237,11 +235,7 @@ class WorkerRun:
         indices, slices = spec.partial.input_cuts(flat)
         slices = [[slice(None)] if a in spec.unknown_axes else s for a, s in enumerate(slices)]
         outputs = spec.partial.flat_outputs(indices)
-        built = np.ones(len(outputs), bool) if spec.keep is None else (
-            np.isin(outputs, spec.outputs_array)
-        )
-        positions = np.full(len(outputs), -1, dtype=np.int64)
-        positions[built] = run_spec.worker_positions(outputs[built])
+        positions = run_spec.owner_positions(outputs)
         me = self._position
         blocks = cut_regular_blocking(data, slices, spec.dtype)
         if blocks is None:
@@ -249,7 +243,7 @@ class WorkerRun:
         local: list[Shard] = []
         spilled: Packed | None = None
         remote: dict[str, Packed] = {}
-        for position in np.unique(positions[built]).tolist():
+        for position in np.unique(positions[positions >= 0]).tolist():
             chosen = np.flatnonzero(positions == position)
             lo, hi = int(chosen[0]), int(chosen[-1]) + 1
             part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
@@ -329,12 +323,12 @@ class WorkerRun:
         return out
 
     def _stacked_inputs(self, flat: int) -> list[int] | None:
-        """The inputs of output ``flat`` in memory order, if the memory store can lay them
-        one after another (see :meth:`MemoryShardStore.read_stacked_blocking`)."""
+        """The inputs of output ``flat`` in memory order, if the store can lay them one after
+        another (see :meth:`ShardStore.read_stacked_blocking`)."""
         spec = self.run_spec.spec
-        if not isinstance(self._store, MemoryShardStore | DiskShardStore) or spec.unknown_axes:
+        if spec.unknown_axes or spec.dtype.hasobject:
             return None
-        return None if spec.dtype.hasobject else spec.partial.stacked_inputs(flat)
+        return spec.partial.stacked_inputs(flat)
 
     def _read_unknown_blocking(
         self, flat: int, placement: dict[int, tuple[slice, ...]]
@@ -373,16 +367,11 @@ class WorkerRun:
     def _check_owned_blocking(self, batch: list[Packed]) -> None:
         """Refuse shards of outputs this worker does not assemble (a sender that addressed the
         wrong data plane): stored here they would be lost, and their owner would miss them."""
-        run_spec, spec = self.run_spec, self.run_spec.spec
+        run_spec = self.run_spec
         outputs = np.fromiter(
             itertools.chain.from_iterable(p.outputs for p in batch), dtype=np.int64
         )
-        if spec.keep is None:
-            built = (outputs >= 0) & (outputs < spec.partial.n_outputs)
-        else:
-            built = np.isin(outputs, spec.outputs_array)
-        positions = np.full(len(outputs), -1, dtype=np.int64)
-        positions[built] = run_spec.worker_positions(outputs[built])
+        positions = run_spec.owner_positions(outputs)
         wrong = np.flatnonzero(positions != self._position)
         if len(wrong):
             first, position = int(outputs[wrong[0]]), int(positions[wrong[0]])
