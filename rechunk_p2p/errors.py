@@ -36,5 +36,10 @@ class StaleRunError(RechunkRunError):
     """A message or task belongs to a run that has since been restarted or closed."""
 
 
+class OutputConsumedError(StaleRunError):
+    """An output chunk was assembled before, its shards are gone, and its result was lost: the
+    rechunk has to run again (a continued run whose kept output the worker dropped)."""
+
+
 class ClusterError(RechunkP2PError, RuntimeError):
     """The cluster cannot run a P2P rechunk (no client, unreachable scheduler, no workers)."""

@@ -47,6 +47,7 @@ class SchedulerRun:
     restricted: dict[Any, Any] = field(default_factory=dict)
     owners: frozenset[str] = frozenset()  # the workers that assemble outputs
     departed: set[str] = field(default_factory=set)  # workers that left the run on its way
+    barrier_passed: bool = False  # its barrier task finished (every shard was delivered)
 
     @property
     def shuffle_id(self) -> ShuffleId:
@@ -77,6 +78,10 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self._shifts = itertools.count()
         self.runs_created = 0
         self.restarts_saved = 0  # workers that left a run without restarting it
+        self.restarts = 0  # runs restarted from scratch by this plugin (an owner left early)
+        self.continuations = 0  # runs continued after an owner left past the barrier
+        self.outputs_kept = 0  # finished outputs of other workers that continuations kept
+        self.outputs_moved = 0  # outputs continuations moved to another worker
         # transfer key -> the worker that computed it, while its result is in memory
         self._computed_on: dict[Any, str] = {}
 
@@ -99,6 +104,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 "rechunk_p2p_get_or_create": self.get_or_create,
                 "rechunk_p2p_barrier": self.barrier,
                 "rechunk_p2p_restrict": self.restrict,
+                "rechunk_p2p_restart": self.restart_run,
             }
         )
         from rechunk_p2p.worker.plugin import RechunkWorkerPlugin  # the workers' code
@@ -274,6 +280,17 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             self.scheduler.set_restrictions({key: {worker}})
         return {"status": "OK"}
 
+    def restart_run(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> dict:
+        """Restart run ``run_id`` from scratch (a worker lost a result it cannot rebuild);
+        nothing if it was replaced already."""
+        run = self.active.get(shuffle_id)
+        if run is not None and run.run_spec.run_id == run_id:
+            logger.warning("Restarting rechunk %s (run %d): %s", shuffle_id, run_id, reason)
+            self.restarts += 1
+            self._close(shuffle_id, reason=reason)
+            self._restart(shuffle_id, f"rechunk-p2p-restart-{shuffle_id}-{run_id}")
+        return {"status": "OK"}
+
     # --- lifecycle ------------------------------------------------------------------------
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
@@ -285,13 +302,20 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             elif finish in ("released", "erred", "forgotten"):
                 self._computed_on.pop(key, None)
             return
-        if finish not in ("released", "erred", "forgotten"):
+        if finish not in ("memory", "released", "erred", "forgotten"):
+            return
+        shuffle_id = id_from_key(key)
+        run = self.active.get(shuffle_id) if shuffle_id is not None else None
+        if run is None:
+            return
+        if finish == "memory":
+            run.barrier_passed = True
             return
         if finish == "released" and kwargs.get("stimulus_id", "").startswith(_STALE_STIMULUS):
             return  # _rerun_stale released the barrier: the run goes on, with the reruns
-        shuffle_id = id_from_key(key)
-        if shuffle_id is not None and shuffle_id in self.active:
-            self._close(shuffle_id, reason=f"barrier {finish}")
+        if finish == "released" and start == "memory" and _lost(self.scheduler.tasks[key]):
+            return  # its result was lost with a worker: remove_worker decides what happens
+        self._close(shuffle_id, reason=f"barrier {finish}")
 
     def _close(self, shuffle_id: ShuffleId, reason: str) -> SchedulerRun:
         run = self.active.pop(shuffle_id)
@@ -316,6 +340,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         for shuffle_id, run in list(self.active.items()):
             if worker in run.workers and worker not in run.owners:
                 self._go_on_without(shuffle_id, run, worker)
+            elif worker in run.workers and self._can_continue(shuffle_id, run, worker):
+                self._continue_without(shuffle_id, run, worker)
             elif worker in run.workers:
                 logger.warning(
                     "Worker %s left during rechunk %s (run %d); restarting it",
@@ -323,8 +349,101 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                     shuffle_id,
                     run.run_spec.run_id,
                 )
+                self.restarts += 1
                 self._close(shuffle_id, reason=f"worker {worker} left")
                 self._restart(shuffle_id, stimulus_id)
+
+    def _can_continue(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> bool:
+        """Whether the run can go on without ``worker``, an owner: its barrier passed (every
+        other worker holds all shards of its own outputs; its result may have been lost with
+        the worker) and another worker of the run is still there to take the outputs over."""
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None or barrier.state == "erred" or not run.barrier_passed:
+            return False
+        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
+        others = [w for w in run.run_spec.workers if w != worker]
+        return bool(others) and all(
+            w in self.scheduler.workers and w in dataplanes for w in others
+        )
+
+    def _continue_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
+        """An owner left after the barrier: continue the run without restarting it.
+
+        The continued run (a new run id) moves the worker's outputs to the others and keeps
+        everything else: the shards on the other workers, and the outputs they assembled.
+        (The barrier's result may have been lost with the worker: then it was released
+        already, and the run was left open for this.)
+        The barrier runs again, and with it every transfer (dask released their results after
+        the barrier; their inputs are computed again), but a transfer sends only the moved
+        outputs' shards. The other workers hear of the continuation before the barrier is
+        released, with their outputs that are not finished on the scheduler: outputs among
+        them that the worker assembled already, or is assembling (tasks that the release
+        cancels), are kept for the continued run's tasks (their shards are gone).
+        """
+        spec = run.run_spec.spec
+        new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)))
+        tasks = self.scheduler.tasks
+        keep: dict[str, list[int]] = {w: [] for w in new.workers}
+        finished = 0
+        for flat in spec.outputs:
+            ts = tasks.get(spec.output_key(flat))
+            if ts is None or flat in new.moved:
+                continue
+            if ts.state == "memory":
+                finished += 1
+            else:  # may be running, or done on its worker and not reported yet
+                keep[new.worker_for(flat)].append(flat)
+        moved = new.moved - run.run_spec.moved
+        run.run_spec = new
+        run.owners = new.owners()
+        run.barrier_passed = False
+        run.participants.discard(worker)
+        run.departed.add(worker)
+        pins = {}
+        for flat in sorted(moved):
+            key = spec.output_key(flat)
+            if key in tasks:
+                run.restricted.setdefault(key, tasks[key].worker_restrictions)
+                pins[key] = {new.worker_for(flat)}
+        self.scheduler.set_restrictions(pins)
+        msgs = {
+            w: [
+                {
+                    "op": "rechunk_p2p_continue",
+                    "shuffle_id": shuffle_id,
+                    "run_spec": ToPickle(new),
+                    "keep": keep.get(w, []),
+                }
+            ]
+            for w in run.workers
+            if w in self.scheduler.stream_comms
+        }
+        self.scheduler.send_all({}, msgs)  # before the releases below (same stream, in order)
+        barrier = tasks[barrier_key(shuffle_id)]
+        recs = {
+            ts.key: "released"
+            for chain in map(_transfer_chain, barrier.dependencies)
+            for ts in chain
+            if ts.state == "memory"
+        }
+        if barrier.state in ("memory", "processing"):  # (released already if it was lost)
+            recs[barrier.key] = "released"
+        self.continuations += 1
+        self.outputs_kept += finished
+        self.outputs_moved += len(moved)
+        logger.warning(
+            "Worker %s left rechunk %s after its barrier: run %d continues as run %d, %d "
+            "outputs moved, %d finished outputs kept",
+            worker,
+            shuffle_id,
+            new.lineage[-1],
+            new.run_id,
+            len(moved),
+            finished,
+        )
+        stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
+        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
     def _go_on_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
         """A worker that assembles no output of the run left (killed, or retired).
@@ -376,6 +495,12 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self._computed_on.clear()
+
+
+def _lost(barrier: Any) -> bool:
+    """Whether a barrier leaving memory was lost (some unpack task still needs it), rather
+    than released at the end."""
+    return any(dt.state in _BARRIER_PENDING for dt in barrier.dependents)
 
 
 def _transfer_chain(dependency: Any) -> list[Any]:

@@ -177,7 +177,21 @@ class RunSpec:
 
     The built outputs, in ascending order, are split into contiguous balanced blocks, one per
     worker, rotated by ``shift``; ``dataplanes[k]`` is the data plane address of
-    ``workers[k]``.
+    ``workers[k]``. A run that continues earlier ones after an output owner left (see
+    :meth:`continued_without`) has its ownership as a table instead: the outputs of the
+    workers that left are moved to the others, every other output keeps its worker.
+
+    Parameters
+    ----------
+    table
+        Position (in ``workers``) of the worker of each built output, in the order of
+        ``spec.outputs``; ``None``: the balanced blocks above.
+    lineage
+        The runs this one continues, oldest first: their shards and their finished outputs
+        are kept, and their messages are accepted.
+    moved
+        Flat indices of the outputs that changed worker in a continuation (cumulative): a
+        continued run's transfers send only their shards, every other shard was delivered.
     """
 
     spec: ShuffleSpec
@@ -185,19 +199,38 @@ class RunSpec:
     workers: tuple[str, ...]
     dataplanes: tuple[str, ...]
     shift: int
+    table: tuple[int, ...] | None = None
+    lineage: tuple[RunId, ...] = ()
+    moved: frozenset[int] = frozenset()
 
     @property
     def shuffle_id(self) -> ShuffleId:
         return self.spec.shuffle_id
 
+    @cached_property
+    def _table(self) -> np.ndarray | None:
+        return None if self.table is None else np.asarray(self.table, dtype=np.int64)
+
+    @cached_property
+    def _moved(self) -> np.ndarray:
+        return np.asarray(sorted(self.moved), dtype=np.int64)
+
+    def accepts(self, run_id: RunId) -> bool:
+        """Whether messages of run ``run_id`` belong to this run (it, or one it continues)."""
+        return run_id == self.run_id or run_id in self.lineage
+
     def worker_position(self, flat: int) -> int:
         spec = self.spec
+        if self._table is not None:
+            return int(self._table[spec.rank(flat)])
         return assign_worker(spec.rank(flat), len(spec.outputs), len(self.workers), self.shift)
 
     def worker_positions(self, flats: np.ndarray) -> np.ndarray:
         """:meth:`worker_position` of many outputs at once (all built ones)."""
         spec = self.spec
         ranks = flats if spec.keep is None else np.searchsorted(spec.outputs_array, flats)
+        if self._table is not None:
+            return self._table[ranks]
         n, w = max(len(spec.outputs), 1), len(self.workers)
         return (ranks * w // n + self.shift) % w
 
@@ -211,6 +244,14 @@ class RunSpec:
             built = np.isin(flats, spec.outputs_array)
         positions = np.full(len(flats), -1, dtype=np.int64)
         positions[built] = self.worker_positions(flats[built])
+        return positions
+
+    def send_positions(self, flats: np.ndarray) -> np.ndarray:
+        """:meth:`owner_positions` of the outputs a transfer sends shards of, ``-1`` for the
+        others: in a continued run, only the moved outputs' shards are sent again."""
+        positions = self.owner_positions(flats)
+        if self.lineage:
+            positions[~np.isin(flats, self._moved)] = -1
         return positions
 
     def owners(self) -> frozenset[str]:
@@ -228,3 +269,47 @@ class RunSpec:
     def dataplane_for(self, flat: int) -> str:
         """The data plane address of the worker that assembles output ``flat``."""
         return self.dataplanes[self.worker_position(flat)]
+
+    def outputs_of(self, worker: str) -> np.ndarray:
+        """Flat indices of the outputs ``worker`` assembles."""
+        if worker not in self.workers:
+            return np.empty(0, dtype=np.int64)
+        outputs = self.spec.outputs_array
+        return outputs[self.worker_positions(outputs) == self.workers.index(worker)]
+
+    def continued_without(self, worker: str, run_id: RunId) -> RunSpec:
+        """The run that continues this one after ``worker``, an owner, left.
+
+        Its outputs move to the other workers, split in contiguous blocks (one per worker, in
+        order); every other output keeps its worker, and with it the shards delivered there
+        and the outputs finished there.
+
+        >>> from rechunk_p2p.planning import make_partials
+        >>> (p,) = make_partials(((4,), (6,)), ((4,), (1,) * 6))
+        >>> spec = ShuffleSpec(ShuffleId("s-0"), p, np.dtype("f8"), "memory", "out")
+        >>> run = RunSpec(spec, RunId(1), ("a", "b", "c"), ("A", "B", "C"), shift=0)
+        >>> [run.worker_for(i) for i in range(6)]
+        ['a', 'a', 'b', 'b', 'c', 'c']
+        >>> after = run.continued_without("b", RunId(2))
+        >>> [after.worker_for(i) for i in range(6)], sorted(after.moved), after.lineage
+        (['a', 'a', 'a', 'c', 'c', 'c'], [2, 3], (1,))
+        """
+        lost = self.workers.index(worker)
+        positions = self.worker_positions(self.spec.outputs_array)
+        moving = np.flatnonzero(positions == lost)
+        survivors = [k for k in range(len(self.workers)) if k != lost]
+        renumber = np.full(len(self.workers), -1, dtype=np.int64)
+        renumber[survivors] = np.arange(len(survivors))
+        table = renumber[positions]
+        table[moving] = np.arange(len(moving)) * len(survivors) // max(len(moving), 1)
+        moved = self.spec.outputs_array[moving].tolist()
+        return RunSpec(
+            spec=self.spec,
+            run_id=run_id,
+            workers=tuple(self.workers[k] for k in survivors),
+            dataplanes=tuple(self.dataplanes[k] for k in survivors),
+            shift=0,
+            table=tuple(table.tolist()),
+            lineage=(*self.lineage, self.run_id),
+            moved=self.moved | frozenset(moved),
+        )

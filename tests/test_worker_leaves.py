@@ -2,7 +2,9 @@
 
 A worker that assembles no output of a run (a bystander) leaves without restarting it: only
 the transfers it ran are run again, elsewhere. A worker that assembles outputs restarts the
-run (its shards are gone with it); nothing is lost either way.
+run when it leaves before the barrier (its shards are gone with it), and continues it when it
+leaves after: its outputs move to the others, whose finished outputs are kept. Nothing is lost
+either way.
 """
 
 from __future__ import annotations
@@ -82,5 +84,41 @@ async def test_a_retiring_owner_restarts_the_rechunk_and_loses_nothing(c, s, *wo
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
     assert plugin.runs_created == 2 and plugin.restarts_saved == 0
+    del future
+    await assert_clean(s, *(w for w in workers if w.address != owner))
+
+
+def _finished(s, keys) -> set:
+    return {k for k in keys if k in s.tasks and s.tasks[k].state == "memory"}
+
+
+def _computed(s, key) -> int:
+    """How many times the scheduler saw ``key`` computed."""
+    return sum(1 for event in s.story(key) if event[0] == key and event[2] == "memory")
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_an_owner_leaving_after_the_barrier_continues_the_run_keeping_finished_outputs(
+    c, s, *workers
+):
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 60)), (60, 2))  # 30 outputs
+    future = c.compute(y.map_blocks(_slow))  # slow consumers stretch the unpack phase
+    run = await _run_once_active(s)
+    spec = run.run_spec
+    keys = {spec.spec.output_key(flat): spec.worker_for(flat) for flat in spec.spec.outputs}
+    barrier = s.tasks[f"rechunk_p2p-barrier-{spec.shuffle_id}"]
+    while barrier.state != "memory" or len(_finished(s, keys)) < 4:
+        await asyncio.sleep(0.002)
+    owner = sorted(spec.owners())[0]
+    kept = {k for k in _finished(s, keys) if keys[k] != owner}
+    await next(w for w in workers if w.address == owner).close()
+    check_result(await asyncio.wait_for(future, 60), arr)
+    plugin = s.plugins[PLUGIN]
+    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 1)
+    assert plugin.outputs_moved == sum(1 for w in keys.values() if w == owner) == 10
+    assert plugin.outputs_kept >= len(kept) > 0
+    assert all(_computed(s, key) == 1 for key in kept)  # not computed again
     del future
     await assert_clean(s, *(w for w in workers if w.address != owner))

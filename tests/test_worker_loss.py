@@ -109,7 +109,19 @@ def _wait_for_phase(client, phase: str, deadline: float) -> str:
     raise AssertionError(f"the rechunk never reached phase {phase!r}")
 
 
-def _kill_during(client, phase: str, seed: int) -> None:
+def _counters(dask_scheduler) -> dict:
+    plugin = dask_scheduler.plugins[PLUGIN]
+    return {
+        "runs": plugin.runs_created,
+        "restarts": plugin.restarts,
+        "continuations": plugin.continuations,
+        "moved": plugin.outputs_moved,
+        "saved": plugin.restarts_saved,
+    }
+
+
+def _kill_during(client, phase: str, seed: int) -> dict:
+    """Kill a worker in ``phase`` of a rechunk; the scheduler plugin's counters after it."""
     x = _source(seed)
     # bystander: fewer output chunks than workers, so one worker owns none
     target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
@@ -123,6 +135,18 @@ def _kill_during(client, phase: str, seed: int) -> None:
     os.kill(_pids(client)[victim], signal.SIGKILL)
     assert bool(future.result(timeout=max(deadline - time.monotonic(), 1))) is True
     del future
+    return client.run_on_scheduler(_counters)
+
+
+def _check_counters(phase: str, counters: dict) -> None:
+    """An owner killed after the barrier continues the run (its 8 of 24 outputs move); a
+    bystander is left behind; an owner killed earlier starts a new run."""
+    if phase == "unpack":
+        assert counters == {"runs": 1, "restarts": 0, "continuations": 1, "moved": 8, "saved": 0}
+    elif phase == "bystander":
+        assert (counters["runs"], counters["saved"]) == (1, 1)
+    else:
+        assert counters["runs"] == 2 or counters["continuations"] == 1
 
 
 def _workload_like():
@@ -134,7 +158,7 @@ def _workload_like():
 @pytest.mark.parametrize("phase", PHASES)
 def test_worker_killed_once(phase):
     with _cluster() as client:
-        _kill_during(client, phase, seed=0)
+        _check_counters(phase, _kill_during(client, phase, seed=0))
         assert_clean_sync(client, timeout=30)
 
 
@@ -143,5 +167,5 @@ def test_worker_killed_once(phase):
 def test_worker_killed_ten_times(phase):
     for seed in range(10):
         with _cluster() as client:
-            _kill_during(client, phase, seed=seed + 1)
+            _check_counters(phase, _kill_during(client, phase, seed=seed + 1))
             assert_clean_sync(client, timeout=30)

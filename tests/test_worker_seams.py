@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import pickle
+import threading
 
 import dask
 import numpy as np
@@ -38,24 +39,24 @@ FAST_RETRIES = {
 }
 
 
-def expected_output(flat: int) -> np.ndarray:
+def expected_output(flat: int, columns: int = COLUMNS) -> np.ndarray:
     full = np.concatenate([input_chunk(i) for i in range(ROWS)])
-    width = 12 // COLUMNS
+    width = 12 // columns
     return full[:, flat * width : (flat + 1) * width]
 
 
 @pytest.fixture
 def seam(tmp_path):
     """``async with seam(storage, run_id) as (scheduler, network, plugins)``: workers a and
-    b, made inside the test's loop; on the way out every run is closed, and the test fails
-    if anything was left open, held or on disk."""
+    b (or ``workers``), made inside the test's loop; on the way out every run is closed, and
+    the test fails if anything was left open, held or on disk."""
 
     @contextlib.asynccontextmanager
-    async def make(storage: str = "memory", run_id: int = 1):
+    async def make(storage: str = "memory", run_id: int = 1, workers=WORKERS, columns=COLUMNS):
         tuning_before = plugin_module._tuning._users
-        scheduler = FakeScheduler(make_run_spec(WORKERS, run_id, storage, ROWS, COLUMNS))
+        scheduler = FakeScheduler(make_run_spec(workers, run_id, storage, ROWS, columns))
         network = Network()
-        plugins = [fake_worker(w, scheduler, network, str(tmp_path / w)) for w in WORKERS]
+        plugins = [fake_worker(w, scheduler, network, str(tmp_path / w)) for w in workers]
         try:
             yield scheduler, network, plugins
         finally:
@@ -70,10 +71,11 @@ def seam(tmp_path):
 async def transfer_all(plugins, return_exceptions: bool = False) -> list:
     """Every input chunk, alternating between the workers, from task threads; their run ids
     (or errors). Every thread has finished when this returns."""
+    n = len(plugins)
     return list(
         await asyncio.gather(
             *(
-                asyncio.to_thread(plugins[i % 2].transfer_blocking, SHUFFLE, i, input_chunk(i))
+                asyncio.to_thread(plugins[i % n].transfer_blocking, SHUFFLE, i, input_chunk(i))
                 for i in range(ROWS)
             ),
             return_exceptions=return_exceptions,
@@ -258,3 +260,86 @@ async def test_close_wakes_a_transfer_waiting_for_room_and_gives_every_byte_back
             await asyncio.wait_for(waiting, 10)
         await asyncio.gather(*a._background)
         assert a.dataplane.limiter.used == 0
+
+
+# --- a run continued after an owner left (the scheduler's _continue_without) ----------------
+
+THREE_WORKERS = ("a", "b", "c")
+SIX = 6  # outputs: two per worker
+
+
+async def run_to_barrier(plugins) -> None:
+    assert await transfer_all(plugins) == [1] * ROWS
+    assert await barrier(plugins[0], [1] * ROWS) == 1
+
+
+async def leave(scheduler, network, plugins, leaver: str):
+    """``leaver`` is gone (its run closed, unreachable) and the scheduler continues the run
+    as run 2. The plugins of the workers that stay."""
+    gone = next(p for p in plugins if p.worker.address == leaver)
+    gone._close_handler(SHUFFLE, 1, reason="killed")
+    await asyncio.gather(*gone._background)
+    del scheduler.plugins[leaver], network.planes[f"dp-{leaver}"]
+    scheduler.run_spec = scheduler.run_spec.continued_without(leaver, 2)
+    return [p for p in plugins if p is not gone]
+
+
+@gen_test()
+async def test_a_continued_run_rebuilds_only_the_moved_outputs(seam, tmp_path):
+    async with seam("disk", workers=THREE_WORKERS, columns=SIX) as (scheduler, network, plugins):
+        first = scheduler.run_spec
+        await run_to_barrier(plugins)
+        a, b = await leave(scheduler, network, plugins, "c")
+        b_run = b.runs[SHUFFLE]
+        before = sum(p.runs[SHUFFLE].statistics().bytes_received for p in (a, b))
+        a._continue_handler(SHUFFLE, scheduler.run_spec, [])  # b has not heard of it yet
+        assert a.runs[SHUFFLE].run_id == 2
+        # a's transfers send only the moved outputs' shards; b learns of run 2 from them
+        assert await transfer_all([a]) == [2] * ROWS
+        assert b.runs[SHUFFLE] is b_run and b_run.run_id == 2  # continued, not replaced
+        assert await barrier(a, [2] * ROWS) == 2
+        by_address = {p.worker.address: p for p in (a, b)}
+        for flat in range(SIX):
+            owner = by_address[scheduler.run_spec.worker_for(flat)]
+            np.testing.assert_array_equal(await unpack(owner, flat, 2), expected_output(flat, SIX))
+        moved = sorted(scheduler.run_spec.moved)
+        assert moved == [flat for flat in range(SIX) if first.worker_for(flat) == "c"]
+        # what crossed again: every row's shard of b's share of the moved outputs
+        resent = sum(p.runs[SHUFFLE].statistics().bytes_received for p in (a, b)) - before
+        to_b = [f for f in moved if scheduler.run_spec.worker_for(f) == "b"]
+        assert to_b and resent == len(to_b) * ROWS * 2 * 8  # 1 x 2 float64 shards
+
+
+@gen_test()
+async def test_outputs_assembled_before_a_continuation_are_kept_for_it(seam, tmp_path):
+    async with seam(workers=THREE_WORKERS, columns=SIX) as (scheduler, network, plugins):
+        a_outputs = [f for f in range(SIX) if scheduler.run_spec.worker_for(f) == "a"]
+        a = plugins[0]
+        await run_to_barrier(plugins)
+        done = await unpack(a, a_outputs[0])  # finished; its task is released by the scheduler
+        run = a.runs[SHUFFLE]
+        entered, release = threading.Event(), threading.Event()
+        read = run._store.read_stacked_blocking
+
+        def blocked_read(*args):
+            entered.set()
+            release.wait(10)
+            return read(*args)
+
+        run._store.read_stacked_blocking = blocked_read
+        running = asyncio.ensure_future(unpack(a, a_outputs[1]))  # assembling as it continues
+        await asyncio.to_thread(entered.wait, 10)
+        a, _ = await leave(scheduler, network, plugins, "c")
+        a._continue_handler(SHUFFLE, scheduler.run_spec, a_outputs)
+        release.set()
+        assembled = await running
+        # run 2's tasks of the same outputs get the results; the store was read once each
+        assert await unpack(a, a_outputs[0], 2) is done
+        assert await unpack(a, a_outputs[1], 2) is assembled
+        assert not run._kept
+        # an output assembled before that was not kept: only a new run can build it again
+        run._assembled.add(a_outputs[0])
+        with pytest.raises(Reschedule):
+            await unpack(a, a_outputs[0], 2)
+        assert [r for r, _ in scheduler.restarts] == [2]
+        assert "assembled on a before" in scheduler.restarts[0][1]

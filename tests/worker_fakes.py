@@ -115,6 +115,7 @@ class FakeScheduler:
         self.plugins: dict[str, RechunkWorkerPlugin] = {}
         self.gate: asyncio.Event | None = None
         self.restricted: list[tuple[Any, str]] = []
+        self.restarts: list[tuple[RunId, str]] = []
         self.requests: Counter = Counter()
 
     async def rechunk_p2p_get_or_create(self, shuffle_id: ShuffleId, worker: str) -> dict:
@@ -135,6 +136,10 @@ class FakeScheduler:
             if reply.get("error") is not None:
                 return reply
         return {"status": "OK", "run_id": current}
+
+    async def rechunk_p2p_restart(self, shuffle_id, run_id, reason="") -> dict:
+        self.restarts.append((run_id, reason))
+        return {"status": "OK"}
 
     async def rechunk_p2p_restrict(self, shuffle_id, run_id, key, worker) -> dict:
         self.restricted.append((key.data, worker))  # sent wrapped in ToPickle

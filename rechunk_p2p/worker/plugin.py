@@ -30,7 +30,12 @@ from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
-from rechunk_p2p.errors import ClusterError, RechunkP2PError, StaleRunError
+from rechunk_p2p.errors import (
+    ClusterError,
+    OutputConsumedError,
+    RechunkP2PError,
+    StaleRunError,
+)
 from rechunk_p2p.offload import OffloadPool, from_thread
 from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunId, RunSpec, ShuffleId
 from rechunk_p2p.worker.dataplane import DataPlane
@@ -121,6 +126,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         address = await self.offload.to_thread(self.dataplane.start_blocking)
         worker.handlers["rechunk_p2p_worker_barrier"] = self._worker_barrier
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
+        worker.stream_handlers["rechunk_p2p_continue"] = self._continue_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
         self._ready.set()
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
@@ -133,6 +139,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         await asyncio.gather(*self._background, return_exceptions=True)
         worker.handlers.pop("rechunk_p2p_worker_barrier", None)
         worker.stream_handlers.pop("rechunk_p2p_close", None)
+        worker.stream_handlers.pop("rechunk_p2p_continue", None)
         if self.dataplane is not None:
             await self.offload.to_thread(self.dataplane.stop_blocking)
         if self.offload is not None:
@@ -169,7 +176,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         with self._lock:
             old = self.runs.get(shuffle_id)
         if old is not None:
-            if old.run_id >= run_spec.run_id:
+            if old.run_id >= run_spec.run_id or old.continue_as(run_spec):
                 return old
             await self._close_run(old)
         run = self._new_run(run_spec)
@@ -202,7 +209,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 
         async def send(address: str, batch: list[Packed]) -> None:
-            await dataplane.send(address, shuffle_id, run_id, batch)
+            # the run's current id: a receiver that has not heard of a continuation yet
+            # fetches it first (and checks the moved outputs' owners with it)
+            await dataplane.send(address, shuffle_id, run.run_id, batch)
 
         comm = CommBuffer(
             send,
@@ -223,7 +232,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             loop=dataplane.loop,
         )
         _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
-        return WorkerRun(
+        run = WorkerRun(
             run_spec,
             self.worker.address,
             store,
@@ -232,7 +241,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
             self.offload,
             comm,
             on_close=_tuning.release,
+            recent_outputs=max(getattr(self.worker, "nthreads", 1), 1),
         )
+        return run
 
     def _resolve_storage(self, run_spec: RunSpec) -> str:
         storage = run_spec.spec.storage
@@ -265,7 +276,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             from rechunk_p2p.offload import on_loop
 
             run = await on_loop(self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id, run_id)
-        if run.run_id != run_id:
+        if not run.run_spec.accepts(run_id):
             raise StaleRunError(
                 f"Shards for run {run_id} of rechunk {shuffle_id} reached "
                 f"{self.worker.address}, which runs run {run.run_id}"
@@ -289,12 +300,43 @@ class RechunkWorkerPlugin(WorkerPlugin):
             run = self.runs.get(shuffle_id)
         if run is None:
             return  # this worker sent nothing for this run
+        if run.run_id < run_id:  # continued: the scheduler's message is still on its way
+            run = await self._fetch_run(shuffle_id, run_id)
         if run.run_id != run_id:
             raise StaleRunError(
                 f"Barrier of run {run_id} of rechunk {shuffle_id} reached "
                 f"{self.worker.address}, which runs run {run.run_id}"
             )
         await run.pass_barrier()
+
+    def _continue_handler(
+        self, shuffle_id: ShuffleId, run_spec: RunSpec, keep: list[int] = ()
+    ) -> None:
+        """The scheduler continues a run after an output owner left (see
+        :meth:`RechunkSchedulerPlugin._continue_without`).
+
+        Sent before the scheduler releases the barrier: ``keep`` are outputs of this worker
+        whose tasks that release cancels; their results are kept for the continued run (their
+        shards are gone). A worker without the run fetches the continued one when it needs it.
+        """
+        with self._lock:
+            run = self.runs.get(shuffle_id)
+        if run is None or not (run.continue_as(run_spec) or run.run_id == run_spec.run_id):
+            return
+        held = self._held_outputs(run_spec, keep)
+        kept = run.keep_outputs(list(keep), held)
+        logger.debug("%r continues; kept %d of %d outputs", run, kept, len(keep))
+
+    def _held_outputs(self, run_spec: RunSpec, outputs: Any) -> dict:
+        """The results of ``outputs`` this worker holds in memory (not spilled)."""
+        data = getattr(self.worker, "data", {})
+        fast = getattr(data, "fast", data)
+        held = {}
+        for flat in outputs:
+            value = fast.get(run_spec.spec.output_key(flat)) if hasattr(fast, "get") else None
+            if value is not None:
+                held[flat] = value
+        return held
 
     def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:
@@ -354,7 +396,18 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 self.worker.loop.asyncio_loop, self._restrict, shuffle_id, run_id, key, owner
             )
             raise Reschedule()
-        return run.get_output_blocking(flat)
+        try:
+            return run.get_output_blocking(flat)
+        except OutputConsumedError as e:
+            # its shards are gone with a result the worker dropped: only a new run has them
+            from_thread(self.worker.loop.asyncio_loop, self._restart, shuffle_id, run_id, str(e))
+            raise Reschedule() from None
+
+    async def _restart(self, shuffle_id: ShuffleId, run_id: RunId, reason: str) -> None:
+        response = await self.worker.scheduler.rechunk_p2p_restart(
+            shuffle_id=shuffle_id, run_id=run_id, reason=reason
+        )
+        _checked(response)
 
     async def _restrict(self, shuffle_id: ShuffleId, run_id: RunId, key: Any, worker: str) -> None:
         response = await self.worker.scheduler.rechunk_p2p_restrict(

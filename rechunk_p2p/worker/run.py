@@ -11,7 +11,7 @@ import enum
 import itertools
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
@@ -25,7 +25,7 @@ from rechunk_p2p.buffers.wire import (
     pack_blocking,
     pack_blocks,
 )
-from rechunk_p2p.errors import RechunkRunError, StaleRunError
+from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, widen
 from rechunk_p2p.worker.dataplane import DataPlane
@@ -33,7 +33,8 @@ from rechunk_p2p.worker.dataplane import DataPlane
 
 class RunPhase(enum.Enum):
     """Where a run is on one worker. Changed only by :meth:`WorkerRun._set_phase`, along
-    :data:`_NEXT` (a run is closed once, from either phase, and stays closed)."""
+    :data:`_NEXT` (a run is closed once, from either phase, and stays closed; a continued run
+    transfers again)."""
 
     TRANSFERRING = "transferring"
     BARRIER_PASSED = "barrier-passed"
@@ -42,7 +43,9 @@ class RunPhase(enum.Enum):
 
 _NEXT: dict[RunPhase, frozenset[RunPhase]] = {
     RunPhase.TRANSFERRING: frozenset({RunPhase.BARRIER_PASSED, RunPhase.CLOSED}),
-    RunPhase.BARRIER_PASSED: frozenset({RunPhase.BARRIER_PASSED, RunPhase.CLOSED}),
+    RunPhase.BARRIER_PASSED: frozenset(
+        {RunPhase.TRANSFERRING, RunPhase.BARRIER_PASSED, RunPhase.CLOSED}
+    ),
     RunPhase.CLOSED: frozenset(),
 }
 
@@ -119,6 +122,10 @@ class WorkerRun:
         The run's send buffer (confined to the data plane's loop).
     on_close
         Called once when the run is closed (also when freeing its buffers failed).
+    recent_outputs
+        Outputs assembled last that the run keeps a reference to (one per task thread is
+        enough): an output whose task was cancelled by a continuation just after it was
+        assembled is kept from them (see :meth:`keep_outputs`).
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class WorkerRun:
         offload: OffloadPool,
         comm: CommBuffer,
         on_close: Callable[[], None] | None = None,
+        recent_outputs: int = 4,
     ) -> None:
         self.run_spec = run_spec
         self.worker_address = worker_address
@@ -147,6 +155,14 @@ class WorkerRun:
         self._bytes_local = 0
         self._bytes_received = 0
         self._seconds = dict.fromkeys(("cut", "queue_wait", "store", "assemble"), 0.0)
+        # outputs assembled here (their shards are gone), and outputs assembled for a run
+        # this one continues, kept for the continued run's task of the same output
+        self._assembled: set[int] = set()
+        self._kept: dict[int, np.ndarray] = {}
+        self._keep_when_done: set[int] = set()
+        self._assembling: set[int] = set()
+        self._recent: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._recent_outputs = recent_outputs
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -235,7 +251,7 @@ class WorkerRun:
         indices, slices = spec.partial.input_cuts(flat)
         slices = [[slice(None)] if a in spec.unknown_axes else s for a, s in enumerate(slices)]
         outputs = spec.partial.flat_outputs(indices)
-        positions = run_spec.owner_positions(outputs)
+        positions = run_spec.send_positions(outputs)
         me = self._position
         blocks = cut_regular_blocking(data, slices, spec.dtype)
         if blocks is None:
@@ -291,8 +307,45 @@ class WorkerRun:
         return local, {addr: pack_blocking(shards, dtype) for addr, shards in remote.items()}
 
     def get_output_blocking(self, flat: int) -> np.ndarray:
-        """Assemble output chunk ``flat`` from its shards. Runs in a task thread."""
+        """Assemble output chunk ``flat`` from its shards. Runs in a task thread.
+
+        An output kept from a run this one continues is returned as it was assembled; one
+        assembled before and not kept (its shards are gone) raises
+        :class:`OutputConsumedError`.
+        """
         self._raise_if_closed()
+        with self._lock:
+            kept = self._kept.pop(flat, None)
+            consumed = kept is None and flat in self._assembled
+        if kept is not None:
+            return kept
+        if consumed:
+            raise OutputConsumedError(
+                f"Output chunk {self.run_spec.spec.partial.output_index(flat)} of rechunk "
+                f"{self.shuffle_id} was assembled on {self.worker_address} before, and its "
+                "result was lost"
+            )
+        with self._lock:
+            self._assembling.add(flat)
+        try:
+            out = self._assemble_blocking(flat)
+        except BaseException:
+            with self._lock:
+                self._assembling.discard(flat)
+            raise
+        with self._lock:  # one step: keep_outputs sees the output assembling or assembled
+            self._assembling.discard(flat)
+            self._assembled.add(flat)
+            if flat in self._keep_when_done:
+                self._keep_when_done.discard(flat)
+                self._kept[flat] = out
+            else:
+                self._recent[flat] = out
+                while len(self._recent) > self._recent_outputs:
+                    self._recent.popitem(last=False)
+        return out
+
+    def _assemble_blocking(self, flat: int) -> np.ndarray:
         start = time.perf_counter()
         spec = self.run_spec.spec
         partial = spec.partial
@@ -347,6 +400,45 @@ class WorkerRun:
                 place_blocking(out, widen(placement[input_], spec.unknown_axes), array)
         return out, [i for i, _ in shards]
 
+    # --- continuation (worker loop) -----------------------------------------------------------
+
+    def continue_as(self, run_spec: RunSpec) -> bool:
+        """Go on as ``run_spec``, a run that continues this one (an output owner left after
+        the barrier): shards stored here and outputs assembled here stay; the transfers run
+        again for the moved outputs, and this worker passes a barrier again. Whether it did
+        (not if closed, or if ``run_spec`` does not continue this run)."""
+        with self._lock:
+            if (
+                self._phase is RunPhase.CLOSED
+                or run_spec.run_id <= self.run_spec.run_id
+                or not run_spec.accepts(self.run_spec.run_id)
+            ):
+                return False
+            self.run_spec = run_spec
+            self._phase = RunPhase.TRANSFERRING
+            return True
+
+    def keep_outputs(self, outputs: list[int], held: dict[int, np.ndarray]) -> int:
+        """Keep the results of ``outputs`` for the continued run's tasks of the same outputs.
+
+        The scheduler releases their tasks as it continues the run, and the worker drops their
+        results, but their shards are gone. ``held`` are results the worker holds; the others
+        are taken from the outputs assembled last, or kept when their assembly, running now,
+        finishes. Returns how many were kept now.
+        """
+        kept = 0
+        with self._lock:
+            for flat in outputs:
+                value = held.get(flat)
+                if value is None:
+                    value = self._recent.pop(flat, None)
+                if value is not None:
+                    self._kept[flat] = value
+                    kept += 1
+                elif flat in self._assembling:
+                    self._keep_when_done.add(flat)
+        return kept
+
     # --- data plane loop ----------------------------------------------------------------------
 
     async def receive(self, batch: list[Packed]) -> None:
@@ -400,6 +492,9 @@ class WorkerRun:
             self._set_phase(RunPhase.CLOSED)
         except StaleRunError:
             return False  # closed already
+        with self._lock:
+            self._kept.clear()
+            self._recent.clear()
         try:
             await on_loop(self._dataplane.loop, self._comm.close)
         finally:
