@@ -6,6 +6,7 @@ messages; no array data ever reaches the scheduler.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -313,9 +314,22 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             return
         if finish == "released" and kwargs.get("stimulus_id", "").startswith(_STALE_STIMULUS):
             return  # _rerun_stale released the barrier: the run goes on, with the reruns
-        if finish == "released" and start == "memory" and _lost(self.scheduler.tasks[key]):
-            return  # its result was lost with a worker: remove_worker decides what happens
+        if finish == "released" and start == "memory":
+            # released at the end, or its result was lost with a worker: then remove_worker,
+            # called right after this, may continue the run; decide once it has
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._close_if_done, shuffle_id, run, run.run_spec.run_id)
+            return
         self._close(shuffle_id, reason=f"barrier {finish}")
+
+    def _close_if_done(self, shuffle_id: ShuffleId, run: SchedulerRun, run_id: RunId) -> None:
+        """Close ``run`` after its barrier left memory, unless it was continued (or closed)
+        meanwhile, or its barrier is needed again."""
+        if self.active.get(shuffle_id) is not run or run.run_spec.run_id != run_id:
+            return
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None or barrier.state not in _BARRIER_PENDING:
+            self._close(shuffle_id, reason="barrier released")
 
     def _close(self, shuffle_id: ShuffleId, reason: str) -> SchedulerRun:
         run = self.active.pop(shuffle_id)
@@ -386,13 +400,14 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         keep: dict[str, list[int]] = {w: [] for w in new.workers}
         finished = 0
         for flat in spec.outputs:
-            ts = tasks.get(spec.output_key(flat))
-            if ts is None or flat in new.moved:
+            if flat in new.moved:
                 continue
-            if ts.state == "memory":
-                finished += 1
-            else:  # may be running, or done on its worker and not reported yet
+            ts = tasks.get(spec.output_key(flat))
+            if ts is not None and ts.state in _BARRIER_PENDING:
+                # may be running, or done on its worker and not reported yet
                 keep[new.worker_for(flat)].append(flat)
+            else:
+                finished += 1  # in memory, or consumed already
         moved = new.moved - run.run_spec.moved
         run.run_spec = new
         run.owners = new.owners()
@@ -495,12 +510,6 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self._computed_on.clear()
-
-
-def _lost(barrier: Any) -> bool:
-    """Whether a barrier leaving memory was lost (some unpack task still needs it), rather
-    than released at the end."""
-    return any(dt.state in _BARRIER_PENDING for dt in barrier.dependents)
 
 
 def _transfer_chain(dependency: Any) -> list[Any]:

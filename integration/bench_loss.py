@@ -1,0 +1,202 @@
+"""An output owner killed after the barrier: what continuing the run saves over a restart.
+
+Where it runs: the benchmark process (client, and the scheduler of each local cluster, which
+runs in this process) drives one fresh cluster per run and kills one worker process.
+
+Usage::
+
+    PYTHONPATH=. .venv/bin/python -m integration.bench_loss --size 768MiB --repeat 3
+
+Each run: 3 worker processes x 1 thread with nannies, every setting at its default; a 2-D
+float64 array of row blocks generated on the workers, rechunked by ``rechunk_p2p`` to column
+blocks of about 16 MiB, and every output chunk checked on the workers. Once the barrier has
+passed and about half the outputs are finished, the worker process that owns the last block
+of outputs is killed (``SIGKILL``). Two variants alternate:
+
+- ``continue``: the engine as it is (the run continues without the worker);
+- ``restart``: the same, with the scheduler plugin told never to continue (``_can_continue``
+  replaced in this process), which restarts the run as before continuations existed.
+
+Reported per variant (medians): seconds from the kill to the result, output chunks assembled
+after the kill, transfer tasks run after the kill, and shard bytes the surviving workers sent
+after the kill. A wrong result fails the benchmark (exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dask.utils import format_bytes, parse_bytes
+from distributed import Client, LocalCluster, SchedulerPlugin
+
+from integration.workloads import checked, rows_to_columns, source_array
+
+VARIANTS = ("continue", "restart")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m integration.bench_loss", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--size", default="768MiB", help="bytes of the array (default 768MiB)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
+    return p.parse_args(argv)
+
+
+def _never_continue(dask_scheduler: Any) -> None:  # runs on the scheduler
+    plugin = dask_scheduler.plugins["rechunk-p2p"]
+    plugin._can_continue = lambda *args: False
+
+
+def _progress(dask_scheduler: Any) -> dict:  # runs on the scheduler
+    plugin = dask_scheduler.plugins.get("rechunk-p2p")
+    runs = list(plugin.active.values()) if plugin is not None else []
+    if not runs:
+        return {}
+    spec = runs[0].run_spec
+    tasks = dask_scheduler.tasks
+    barrier = tasks.get(f"rechunk_p2p-barrier-{spec.shuffle_id}")
+    outputs = [spec.spec.output_key(flat) for flat in spec.spec.outputs]
+    pending = {"waiting", "queued", "no-worker", "processing"}
+    done = sum(1 for k in outputs if k not in tasks or tasks[k].state not in pending)
+    last = spec.worker_for(spec.spec.outputs[-1])
+    return {
+        "barrier": barrier.state if barrier is not None else None,
+        "done": done,
+        "outputs": len(outputs),
+        "victim": last,
+    }
+
+
+class ComputedCounter(SchedulerPlugin):
+    """Counts the output and transfer tasks the scheduler sees finish after :attr:`since`."""
+
+    name = "bench-loss-counter"
+
+    def __init__(self) -> None:
+        self.since = float("inf")
+        self.counts = {"outputs": 0, "transfers": 0}
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish != "memory" or time.time() < self.since:
+            return
+        name = key[0] if isinstance(key, tuple) else str(key)
+        if name.startswith("rechunk-p2p-out-"):
+            self.counts["outputs"] += 1
+        elif "rechunk_p2p-transfer-" in name:
+            self.counts["transfers"] += 1
+
+
+def _count_from(dask_scheduler: Any, since: float) -> None:  # runs on the scheduler
+    dask_scheduler.plugins[ComputedCounter.name].since = since
+
+
+def _after(dask_scheduler: Any) -> dict:  # runs on the scheduler
+    """Tasks computed since the kill, by kind, and the engine plugin's counters."""
+    counts = dict(dask_scheduler.plugins[ComputedCounter.name].counts)
+    plugin = dask_scheduler.plugins["rechunk-p2p"]
+    counts.update(
+        continuations=plugin.continuations, restarts=plugin.restarts, runs=plugin.runs_created
+    )
+    return counts
+
+
+def _bytes_sent(client: Client, workers: list[str]) -> int:
+    def sent(dask_worker: Any) -> int:
+        return dask_worker.plugins["rechunk-p2p"].totals().bytes_sent
+
+    return sum(client.run(sent, workers=workers).values())
+
+
+def one_run(variant: str, nbytes: int, timeout: float) -> dict:
+    import rechunk_p2p
+
+    w = rows_to_columns(nbytes)
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(3, timeout=120)
+        rechunk_p2p.register(client)
+        client.register_plugin(ComputedCounter())
+        if variant == "restart":
+            client.run_on_scheduler(_never_continue)
+        future = client.compute(checked(rechunk_p2p.rechunk(source_array(w), w.target_chunks), w))
+        deadline = time.monotonic() + timeout
+        while True:
+            progress = client.run_on_scheduler(_progress)
+            if progress.get("barrier") == "memory" and progress["done"] >= progress["outputs"] // 2:
+                break
+            if time.monotonic() > deadline or future.done():
+                raise RuntimeError(f"never reached the unpack phase: {progress}")
+            time.sleep(0.005)
+        victim = progress["victim"]
+        survivors = [a for a in client.scheduler_info()["workers"] if a != victim]
+        sent_before = _bytes_sent(client, survivors)
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        killed = time.time()
+        client.run_on_scheduler(_count_from, since=killed)
+        os.kill(pid, signal.SIGKILL)
+        ok = bool(future.result(timeout=max(deadline - time.monotonic(), 1)))
+        seconds = time.time() - killed
+        after = client.run_on_scheduler(_after)
+        sent_after = _bytes_sent(client, survivors)
+    return {
+        "variant": variant,
+        "ok": ok,
+        "seconds_after_kill": round(seconds, 3),
+        "outputs_total": progress["outputs"],
+        "outputs_done_at_kill": progress["done"],
+        "outputs_after_kill": after["outputs"],
+        "transfers_after_kill": after["transfers"],
+        "bytes_sent_after_kill": sent_after - sent_before,
+        "continuations": after["continuations"],
+        "restarts": after["restarts"],
+        "runs": after["runs"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    nbytes = int(parse_bytes(args.size))
+    w = rows_to_columns(nbytes)
+    print(f"# {w.summary()}, 3 workers x 1 thread; owner killed after the barrier", flush=True)
+    runs = []
+    for _ in range(args.repeat):
+        for variant in VARIANTS:
+            run = one_run(variant, nbytes, args.timeout)
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+    print("\n| variant | s after kill | outputs assembled after | transfers after | "
+          "shard bytes sent after |")
+    print("|---|---:|---:|---:|---:|")
+    for variant in VARIANTS:
+        mine = [r for r in runs if r["variant"] == variant]
+
+        def med(key: str, mine: list[dict] = mine) -> float:
+            return statistics.median(r[key] for r in mine)
+
+        print(
+            f"| {variant} | {med('seconds_after_kill'):.2f} | {med('outputs_after_kill'):.0f}"
+            f" of {mine[0]['outputs_total']} | {med('transfers_after_kill'):.0f} | "
+            f"{format_bytes(med('bytes_sent_after_kill'))} |"
+        )
+    if args.out is not None:
+        args.out.write_text(json.dumps(runs, indent=1))
+    return 0 if all(r["ok"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
