@@ -48,7 +48,10 @@ class SchedulerRun:
     restricted: dict[Any, Any] = field(default_factory=dict)
     owners: frozenset[str] = frozenset()  # the workers that assemble outputs
     departed: set[str] = field(default_factory=set)  # workers that left the run on its way
-    barrier_passed: bool = False  # its barrier task finished (every shard was delivered)
+    delivered: bool = False  # a barrier of the run finished: every input's shards arrived
+    # inputs whose every shard was queued for sending by the worker named (a continued run
+    # sends only the moved outputs' shards of them, while that worker is there)
+    full_by: dict[int, str] = field(default_factory=dict)
 
     @property
     def shuffle_id(self) -> ShuffleId:
@@ -215,6 +218,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         msg = {"op": "rechunk_p2p_worker_barrier", "shuffle_id": shuffle_id, "run_id": current}
         targets = [w for w in run.participants if w in self.scheduler.workers]
         results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
+        if self.active.get(shuffle_id) is not run or run.run_spec.run_id != current:
+            return {"status": "OK", "restarted": True}  # continued or replaced meanwhile
         for worker, result in results.items():
             failed = isinstance(result, Exception) or (
                 isinstance(result, dict) and result.get("error") is not None
@@ -310,13 +315,15 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         if run is None:
             return
         if finish == "memory":
-            run.barrier_passed = True
+            run.delivered = True
+            run.full_by.clear()
             return
         if finish == "released" and kwargs.get("stimulus_id", "").startswith(_STALE_STIMULUS):
             return  # _rerun_stale released the barrier: the run goes on, with the reruns
-        if finish == "released" and start == "memory":
-            # released at the end, or its result was lost with a worker: then remove_worker,
-            # called right after this, may continue the run; decide once it has
+        if finish == "released" and start in ("memory", "processing"):
+            # released at the end, or lost with a worker (its result, or the worker running
+            # it): then remove_worker, called right after this, may continue the run; decide
+            # once it has
             loop = asyncio.get_running_loop()
             loop.call_soon(self._close_if_done, shuffle_id, run, run.run_spec.run_id)
             return
@@ -347,8 +354,10 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def remove_worker(
         self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
     ) -> None:
-        """A worker left. A run it assembles outputs for restarts, with a new run id; a run it
-        only sent shards for goes on without it (see :meth:`_go_on_without`)."""
+        """A worker left. A run it assembles outputs for continues without it, its outputs
+        moved to the others (see :meth:`_continue_without`), or restarts with a new run id
+        when no other worker of the run is left; a run it only sent shards for goes on
+        without it (see :meth:`_go_on_without`)."""
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         dataplanes.pop(worker, None)
         for shuffle_id, run in list(self.active.items()):
@@ -368,11 +377,10 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 self._restart(shuffle_id, stimulus_id)
 
     def _can_continue(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> bool:
-        """Whether the run can go on without ``worker``, an owner: its barrier passed (every
-        other worker holds all shards of its own outputs; its result may have been lost with
-        the worker) and another worker of the run is still there to take the outputs over."""
+        """Whether the run can go on without ``worker``, an owner: another worker of the run
+        is still there to take its outputs over, and the barrier task has not failed."""
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
-        if barrier is None or barrier.state == "erred" or not run.barrier_passed:
+        if barrier is None or barrier.state == "erred":
             return False
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         others = [w for w in run.run_spec.workers if w != worker]
@@ -381,22 +389,27 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         )
 
     def _continue_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
-        """An owner left after the barrier: continue the run without restarting it.
+        """An owner left: continue the run without restarting it.
 
         The continued run (a new run id) moves the worker's outputs to the others and keeps
         everything else: the shards on the other workers, and the outputs they assembled.
-        (The barrier's result may have been lost with the worker: then it was released
-        already, and the run was left open for this.)
-        The barrier runs again, and with it every transfer (dask released their results after
-        the barrier; their inputs are computed again), but a transfer sends only the moved
-        outputs' shards. The other workers hear of the continuation before the barrier is
-        released, with their outputs that are not finished on the scheduler: outputs among
-        them that the worker assembled already, or is assembling (tasks that the release
-        cancels), are kept for the continued run's tasks (their shards are gone).
+        The barrier runs again, and with it every transfer, but a transfer sends only the
+        moved outputs' shards, unless its input's shards may have been lost with the worker
+        (see :meth:`_resend_all`). After the barrier passed, dask released the transfers'
+        results: they all run again, computing their inputs again. (The barrier itself may
+        have been lost with the worker: then it was released already, and the run was left
+        open for this.)
+
+        The other workers hear of the continuation before the barrier is released, with
+        their outputs that are not finished on the scheduler: outputs among them that the
+        worker assembled already, or is assembling (tasks that the release cancels), are kept
+        for the continued run's tasks (their shards are gone).
         """
         spec = run.run_spec.spec
-        new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)))
         tasks = self.scheduler.tasks
+        barrier = tasks[barrier_key(shuffle_id)]
+        resend_all = self._resend_all(run, worker, barrier)
+        new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)), resend_all)
         keep: dict[str, list[int]] = {w: [] for w in new.workers}
         finished = 0
         for flat in spec.outputs:
@@ -411,7 +424,6 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         moved = new.moved - run.run_spec.moved
         run.run_spec = new
         run.owners = new.owners()
-        run.barrier_passed = False
         run.participants.discard(worker)
         run.departed.add(worker)
         pins = {}
@@ -434,7 +446,6 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             if w in self.scheduler.stream_comms
         }
         self.scheduler.send_all({}, msgs)  # before the releases below (same stream, in order)
-        barrier = tasks[barrier_key(shuffle_id)]
         recs = {
             ts.key: "released"
             for chain in map(_transfer_chain, barrier.dependencies)
@@ -447,18 +458,50 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.outputs_kept += finished
         self.outputs_moved += len(moved)
         logger.warning(
-            "Worker %s left rechunk %s after its barrier: run %d continues as run %d, %d "
-            "outputs moved, %d finished outputs kept",
+            "Worker %s left rechunk %s: run %d continues as run %d, %d outputs moved, %d "
+            "finished outputs kept, %d of %d inputs send all their shards again",
             worker,
             shuffle_id,
             new.lineage[-1],
             new.run_id,
             len(moved),
             finished,
+            len(resend_all),
+            len(spec.inputs),
         )
         stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
         self.scheduler.transitions(recs, stimulus_id=stimulus_id)
         self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+    def _resend_all(self, run: SchedulerRun, worker: str, barrier: Any) -> frozenset[int]:
+        """The inputs whose shards may have been lost with ``worker``: their transfers send
+        every shard again in the continued run.
+
+        None once a barrier of the run passed (every shard arrived). Before, an input's
+        shards are safe if a transfer that sent all of them finished on a worker that is
+        still there (queued sends are delivered by it); every other input's transfer ran on
+        the worker that left, or has not finished.
+        """
+        if run.delivered:
+            return frozenset()
+        spec = run.run_spec
+        chains = {
+            _transfer_key(dt.key, spec.spec): _transfer_chain(dt) for dt in barrier.dependencies
+        }
+        lost = set()
+        for i in spec.spec.inputs:
+            if run.full_by.get(i, worker) != worker:
+                continue  # every shard queued by a worker still there
+            run.full_by.pop(i, None)
+            chain = chains.get(i, [])
+            where = next((self._computed_on[t.key] for t in chain if t.key in self._computed_on),
+                         None)
+            sent_all = not spec.lineage or i in spec.resend_all
+            if chain and chain[0].state == "memory" and where not in (None, worker) and sent_all:
+                run.full_by[i] = where
+            else:
+                lost.add(i)
+        return frozenset(lost)
 
     def _go_on_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
         """A worker that assembles no output of the run left (killed, or retired).

@@ -191,7 +191,12 @@ class RunSpec:
         are kept, and their messages are accepted.
     moved
         Flat indices of the outputs that changed worker in a continuation (cumulative): a
-        continued run's transfers send only their shards, every other shard was delivered.
+        continued run's transfers send only their shards, every other shard was delivered
+        (or is queued on a worker still there)...
+    resend_all
+        ... but for these inputs, whose earlier shards may have been lost (their transfer
+        ran on the worker that left, or had not finished): their transfers send every shard
+        again (receivers drop the ones they hold).
     """
 
     spec: ShuffleSpec
@@ -202,6 +207,7 @@ class RunSpec:
     table: tuple[int, ...] | None = None
     lineage: tuple[RunId, ...] = ()
     moved: frozenset[int] = frozenset()
+    resend_all: frozenset[int] = frozenset()
 
     @property
     def shuffle_id(self) -> ShuffleId:
@@ -246,11 +252,12 @@ class RunSpec:
         positions[built] = self.worker_positions(flats[built])
         return positions
 
-    def send_positions(self, flats: np.ndarray) -> np.ndarray:
-        """:meth:`owner_positions` of the outputs a transfer sends shards of, ``-1`` for the
-        others: in a continued run, only the moved outputs' shards are sent again."""
+    def send_positions(self, input_: int, flats: np.ndarray) -> np.ndarray:
+        """:meth:`owner_positions` of the outputs the transfer of input ``input_`` sends
+        shards of (``flats``: outputs it has shards of), ``-1`` for the others: in a continued
+        run, only the moved outputs' shards, unless the input is in :attr:`resend_all`."""
         positions = self.owner_positions(flats)
-        if self.lineage:
+        if self.lineage and input_ not in self.resend_all:
             positions[~np.isin(flats, self._moved)] = -1
         return positions
 
@@ -277,12 +284,14 @@ class RunSpec:
         outputs = self.spec.outputs_array
         return outputs[self.worker_positions(outputs) == self.workers.index(worker)]
 
-    def continued_without(self, worker: str, run_id: RunId) -> RunSpec:
+    def continued_without(
+        self, worker: str, run_id: RunId, resend_all: frozenset[int] = frozenset()
+    ) -> RunSpec:
         """The run that continues this one after ``worker``, an owner, left.
 
         Its outputs move to the other workers, split in contiguous blocks (one per worker, in
         order); every other output keeps its worker, and with it the shards delivered there
-        and the outputs finished there.
+        and the outputs finished there. ``resend_all``: see the class.
 
         >>> from rechunk_p2p.planning import make_partials
         >>> (p,) = make_partials(((4,), (6,)), ((4,), (1,) * 6))
@@ -312,4 +321,5 @@ class RunSpec:
             table=tuple(table.tolist()),
             lineage=(*self.lineage, self.run_id),
             moved=self.moved | frozenset(moved),
+            resend_all=resend_all,
         )

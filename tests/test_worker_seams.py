@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import pickle
 import threading
@@ -343,3 +344,51 @@ async def test_outputs_assembled_before_a_continuation_are_kept_for_it(seam, tmp
             await unpack(a, a_outputs[0], 2)
         assert [r for r, _ in scheduler.restarts] == [2]
         assert "assembled on a before" in scheduler.restarts[0][1]
+
+
+@gen_test()
+async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_shards_resent(
+    seam, tmp_path
+):
+    def c_is_gone(sender: str, address: str, attempt: int) -> None:
+        if address == "dp-c":
+            raise ConnectionRefusedError("injected: c was killed")
+
+    retries = {**FAST_RETRIES, "rechunk-p2p.comm.retry-count": 1}
+    with dask.config.set(retries):
+        async with seam(workers=THREE_WORKERS, columns=SIX) as (scheduler, network, plugins):
+            network.fail = c_is_gone
+            a, b, _ = plugins
+            assert await transfer_all(plugins) == [1] * ROWS  # c cuts inputs 2, 5
+            # a's and b's sends to c fail for good before they hear c is gone
+            while any(p.runs[SHUFFLE]._comm.phase.value != "failed" for p in (a, b)):
+                await asyncio.sleep(0.01)
+            survivors = await leave(scheduler, network, plugins, "c")
+            # the scheduler: inputs c cut may have lost shards: they are sent again in full;
+            # the others only for c's outputs, which moved
+            lost = frozenset(range(2, ROWS, 3))
+            scheduler.run_spec = dataclasses.replace(scheduler.run_spec, resend_all=lost)
+            before = sum(p.runs[SHUFFLE].statistics().bytes_received for p in survivors)
+            for p in survivors:
+                p._continue_handler(SHUFFLE, scheduler.run_spec, [])
+            await asyncio.sleep(0.01)  # the buffers forget c on their loop
+            assert [p.runs[SHUFFLE]._comm.phase.value for p in survivors] == ["sending"] * 2
+            assert await transfer_all(survivors) == [2] * ROWS
+            assert await barrier(a, [2] * ROWS) == 2
+            spec = scheduler.run_spec
+            by_address = {p.worker.address: p for p in survivors}
+            for flat in range(SIX):
+                out = await unpack(by_address[spec.worker_for(flat)], flat, 2)
+                np.testing.assert_array_equal(out, expected_output(flat, SIX))
+            # what crossed again: shards of moved outputs (new to their owners), and the other
+            # shards of c's inputs (c had delivered them: dropped as duplicates); new bytes
+            # crossed where the survivor that cut a shard does not own it
+            def crossing(i: int, flat: int) -> bool:
+                return spec.worker_for(flat) != survivors[i % 2].worker.address
+
+            resent = sum(p.runs[SHUFFLE].statistics().bytes_received for p in survivors)
+            moved = [(i, f) for i in range(ROWS) for f in spec.moved if crossing(i, f)]
+            again = [(i, f) for i in lost for f in range(SIX) if f not in spec.moved]
+            duplicates = sum(p.runs[SHUFFLE]._store.statistics().duplicates for p in survivors)
+            assert resent - before == 16 * len(moved)  # 1 x 2 float64 shards
+            assert duplicates == len(again) > 0  # received or stored by their cutter

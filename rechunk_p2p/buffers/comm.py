@@ -47,7 +47,8 @@ class RetryPolicy:
 
 class SendPhase(enum.Enum):
     """Where a :class:`CommBuffer` is. Changed only by ``CommBuffer._set_phase``, along
-    :data:`_NEXT_PHASE`: a failed buffer stays failed until closed; closed is final."""
+    :data:`_NEXT_PHASE`: a failed buffer stays failed until closed, unless the peer it failed
+    on is forgotten (it left the run); closed is final."""
 
     SENDING = "sending"
     FAILED = "failed"  # a send failed for good: ``put`` and ``flush`` raise its error
@@ -56,7 +57,7 @@ class SendPhase(enum.Enum):
 
 _NEXT_PHASE: dict[SendPhase, frozenset[SendPhase]] = {
     SendPhase.SENDING: frozenset({SendPhase.FAILED, SendPhase.CLOSED}),
-    SendPhase.FAILED: frozenset({SendPhase.CLOSED}),
+    SendPhase.FAILED: frozenset({SendPhase.SENDING, SendPhase.CLOSED}),
     SendPhase.CLOSED: frozenset({SendPhase.CLOSED}),
 }
 
@@ -123,6 +124,8 @@ class CommBuffer:
         self._idle.set()
         self._phase = SendPhase.SENDING
         self._exception: BaseException | None = None  # set with FAILED
+        self._failed_on: str | None = None  # the address whose send failed, with FAILED
+        self._departed: set[str] = set()  # peers that left the run: their shards are dropped
         self._bytes_queued = 0
         self._max_bytes_queued = 0
         self._send_seconds = 0.0
@@ -173,7 +176,7 @@ class CommBuffer:
 
     def _enqueue(self, address: str, packed: Packed, nbytes: int) -> None:
         """On the loop: queue bytes a thread holds; dropped if sending stopped meanwhile."""
-        if self._phase is not SendPhase.SENDING:
+        if self._phase is not SendPhase.SENDING or address in self._departed:
             self._release(nbytes)
             return
         self._queues[address].append((packed, nbytes))
@@ -190,6 +193,8 @@ class CommBuffer:
             raise RechunkRunError(f"{self._name}: send buffer cannot go {self._phase} -> {phase}")
         if phase is SendPhase.FAILED:
             self._exception = error
+        elif phase is SendPhase.SENDING:
+            self._exception = self._failed_on = None
         self._phase = phase
         if phase is not SendPhase.SENDING:
             for limiter in self._limiters:
@@ -222,8 +227,9 @@ class CommBuffer:
                     self._messages += 1
                 except Exception as e:
                     # failed before the bytes are given back: a thread they wake sees it
-                    if self._phase is SendPhase.SENDING:
+                    if self._phase is SendPhase.SENDING and address not in self._departed:
                         self._set_phase(SendPhase.FAILED, e)
+                        self._failed_on = address
                 finally:
                     self._bytes_queued -= nbytes
                     self._release(nbytes)
@@ -282,6 +288,19 @@ class CommBuffer:
         while self._drainers:
             await self._idle.wait()
         self._raise_if_unusable()
+
+    def forget(self, addresses: set[str]) -> None:
+        """Peers that left the run: drop what is queued for them, stop sending to them, and
+        drop what is put for them later. A failure to reach one of them is forgotten too
+        (the run goes on without them; their shards are sent to other workers instead)."""
+        self._departed |= addresses
+        for address in addresses:
+            drainer = self._drainers.get(address)
+            if drainer is not None:
+                drainer.cancel()  # its finally gives the in-flight batch's bytes back
+            self._drop(self._queues.pop(address, deque()))
+        if self._phase is SendPhase.FAILED and self._failed_on in addresses:
+            self._set_phase(SendPhase.SENDING)
 
     async def close(self) -> None:
         """Stop sending, drop what is queued and give its bytes back to the limiter."""

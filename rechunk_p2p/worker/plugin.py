@@ -355,9 +355,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def transfer_blocking(self, shuffle_id: ShuffleId, flat: int, data: Any) -> int:
         """From a transfer task: cut input ``flat`` into shards and send them; its run id."""
-        run = self.get_run_blocking(shuffle_id)
-        run.add_input_blocking(flat, data)
-        return run.run_id
+        return self.get_run_blocking(shuffle_id).add_input_blocking(flat, data)
 
     def barrier_blocking(self, shuffle_id: ShuffleId, run_ids: tuple[RunId, ...]) -> int:
         """From the barrier task: make every worker flush its sends; the run id.

@@ -7,6 +7,7 @@ Where it runs: ``add_input_blocking`` and ``get_output_blocking`` in task thread
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import threading
@@ -192,9 +193,12 @@ class WorkerRun:
 
     @property
     def _position(self) -> int:
-        """This worker's position in the run; -2 for a worker that joined after the run
+        return self._position_in(self.run_spec)
+
+    def _position_in(self, run_spec: RunSpec) -> int:
+        """This worker's position in ``run_spec``; -2 for a worker that joined after the run
         started (it owns nothing and sends everything)."""
-        workers = self.run_spec.workers
+        workers = run_spec.workers
         return workers.index(self.worker_address) if self.worker_address in workers else -2
 
     def _raise_if_closed(self) -> None:
@@ -203,14 +207,17 @@ class WorkerRun:
 
     # --- task threads -------------------------------------------------------------------------
 
-    def add_input_blocking(self, flat: int, data: np.ndarray) -> None:
-        """Cut input chunk ``flat`` into shards and hand them to their workers.
+    def add_input_blocking(self, flat: int, data: np.ndarray) -> RunId:
+        """Cut input chunk ``flat`` into shards and hand them to their workers; the id of the
+        run whose owners it cut for (the run may be continued meanwhile: the barrier then
+        runs the transfer again).
 
         Runs in a task thread; waits while this worker's send buffer is full, and hands the
         shards to the data plane loop without waiting for it.
         """
         self._raise_if_closed()
-        spec = self.run_spec.spec
+        run_spec = self.run_spec  # one spec for the whole cut
+        spec = run_spec.spec
         partial = spec.partial
         data = np.asarray(data)
         expected = partial.input_shape(flat)
@@ -223,7 +230,7 @@ class WorkerRun:
                 f"{data.shape}, expected {expected}"
             )
         start = time.perf_counter()
-        local, remote = self._cut_blocking(flat, data)
+        local, remote = self._cut_blocking(run_spec, flat, data)
         if isinstance(local, Packed):
             nbytes = self._store.write_packed_blocking([local])
         else:
@@ -236,9 +243,10 @@ class WorkerRun:
             self._inputs += 1
             self._seconds["cut"] += cut - start
             self._seconds["queue_wait"] += time.perf_counter() - cut
+        return run_spec.run_id
 
     def _cut_blocking(
-        self, flat: int, data: np.ndarray
+        self, run_spec: RunSpec, flat: int, data: np.ndarray
     ) -> tuple[Packed | list[Shard], dict[str, Packed]]:
         """The shards of input ``flat`` that stay here, and one batch per other worker.
 
@@ -247,15 +255,15 @@ class WorkerRun:
         destination, and each batch's payload is a view of that copy. Other cuts are copied
         shard by shard.
         """
-        run_spec, spec = self.run_spec, self.run_spec.spec
+        spec = run_spec.spec
         indices, slices = spec.partial.input_cuts(flat)
         slices = [[slice(None)] if a in spec.unknown_axes else s for a, s in enumerate(slices)]
         outputs = spec.partial.flat_outputs(indices)
-        positions = run_spec.send_positions(outputs)
-        me = self._position
+        positions = run_spec.send_positions(flat, outputs)
+        me = self._position_in(run_spec)
         blocks = cut_regular_blocking(data, slices, spec.dtype)
         if blocks is None:
-            return self._cut_each_blocking(flat, data, outputs, slices, positions, me)
+            return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
         local: list[Shard] = []
         spilled: Packed | None = None
         remote: dict[str, Packed] = {}
@@ -279,6 +287,7 @@ class WorkerRun:
 
     def _cut_each_blocking(
         self,
+        run_spec: RunSpec,
         flat: int,
         data: np.ndarray,
         outputs: np.ndarray,
@@ -287,7 +296,6 @@ class WorkerRun:
         me: int,
     ) -> tuple[list[Shard], dict[str, Packed]]:
         """:meth:`_cut_blocking` shard by shard (irregular cuts, object dtype)."""
-        run_spec = self.run_spec
         copy_local = self.storage == "memory"
         local: list[Shard] = []
         remote: defaultdict[str, list[Shard]] = defaultdict(list)
@@ -403,10 +411,11 @@ class WorkerRun:
     # --- continuation (worker loop) -----------------------------------------------------------
 
     def continue_as(self, run_spec: RunSpec) -> bool:
-        """Go on as ``run_spec``, a run that continues this one (an output owner left after
-        the barrier): shards stored here and outputs assembled here stay; the transfers run
-        again for the moved outputs, and this worker passes a barrier again. Whether it did
-        (not if closed, or if ``run_spec`` does not continue this run)."""
+        """Go on as ``run_spec``, a run that continues this one (an output owner left):
+        shards stored here and outputs assembled here stay; nothing more is sent to the
+        workers that left; the transfers run again for the moved outputs, and this worker
+        passes a barrier again. Whether it did (not if closed, or if ``run_spec`` does not
+        continue this run)."""
         with self._lock:
             if (
                 self._phase is RunPhase.CLOSED
@@ -414,9 +423,13 @@ class WorkerRun:
                 or not run_spec.accepts(self.run_spec.run_id)
             ):
                 return False
+            departed = set(self.run_spec.dataplanes) - set(run_spec.dataplanes)
             self.run_spec = run_spec
             self._phase = RunPhase.TRANSFERRING
-            return True
+        if departed:  # the comm buffer is confined to the data plane's loop
+            with contextlib.suppress(RuntimeError):  # closed: the worker is going
+                self._dataplane.loop.call_soon_threadsafe(self._comm.forget, departed)
+        return True
 
     def keep_outputs(self, outputs: list[int], held: dict[int, np.ndarray]) -> int:
         """Keep the results of ``outputs`` for the continued run's tasks of the same outputs.
@@ -464,7 +477,7 @@ class WorkerRun:
             itertools.chain.from_iterable(p.outputs for p in batch), dtype=np.int64
         )
         positions = run_spec.owner_positions(outputs)
-        wrong = np.flatnonzero(positions != self._position)
+        wrong = np.flatnonzero(positions != self._position_in(run_spec))
         if len(wrong):
             first, position = int(outputs[wrong[0]]), int(positions[wrong[0]])
             owner = run_spec.workers[position] if position >= 0 else "no worker of the run"
