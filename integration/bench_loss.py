@@ -1,4 +1,4 @@
-"""An output owner killed after the barrier: what continuing the run saves over a restart.
+"""An output owner killed mid-run: what continuing the run saves over a restart.
 
 Where it runs: the benchmark process (client, and the scheduler of each local cluster, which
 runs in this process) drives one fresh cluster per run and kills one worker process.
@@ -10,8 +10,9 @@ Usage::
 Each run: 3 worker processes x 1 thread with nannies, every setting at its default; a 2-D
 float64 array of row blocks generated on the workers, rechunked by ``rechunk_p2p`` to column
 blocks of about 16 MiB, and every output chunk checked on the workers. Once the barrier has
-passed and about half the outputs are finished, the worker process that owns the last block
-of outputs is killed (``SIGKILL``). Two variants alternate:
+passed and about half the outputs are finished (``--phase transfer``: half the transfers,
+before the barrier), the worker process that owns the last block of outputs is killed
+(``SIGKILL``). Two variants alternate:
 
 - ``continue``: the engine as it is (the run continues without the worker);
 - ``restart``: the same, with the scheduler plugin told never to continue (``_can_continue``
@@ -48,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--size", default="768MiB", help="bytes of the array (default 768MiB)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument(
+        "--phase",
+        choices=("unpack", "transfer"),
+        default="unpack",
+        help="kill half way through the unpacks (default) or the transfers",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     return p.parse_args(argv)
@@ -70,12 +77,25 @@ def _progress(dask_scheduler: Any) -> dict:  # runs on the scheduler
     pending = {"waiting", "queued", "no-worker", "processing"}
     done = sum(1 for k in outputs if k not in tasks or tasks[k].state not in pending)
     last = spec.worker_for(spec.spec.outputs[-1])
+    deps = barrier.dependencies if barrier is not None else ()
     return {
         "barrier": barrier.state if barrier is not None else None,
         "done": done,
         "outputs": len(outputs),
+        "transfers_done": sum(1 for dt in deps if dt.state == "memory"),
+        "inputs": len(spec.spec.inputs),
         "victim": last,
     }
+
+
+def _reached(phase: str, progress: dict) -> bool:
+    """Whether the run is half way through ``phase``."""
+    if phase == "unpack":
+        return progress.get("barrier") == "memory" and progress["done"] >= progress["outputs"] // 2
+    return (
+        progress.get("barrier") == "waiting"
+        and progress["transfers_done"] >= progress["inputs"] // 2
+    )
 
 
 class ComputedCounter(SchedulerPlugin):
@@ -118,7 +138,7 @@ def _bytes_sent(client: Client, workers: list[str]) -> int:
     return sum(client.run(sent, workers=workers).values())
 
 
-def one_run(variant: str, nbytes: int, timeout: float) -> dict:
+def one_run(variant: str, phase: str, nbytes: int, timeout: float) -> dict:
     import rechunk_p2p
 
     w = rows_to_columns(nbytes)
@@ -137,10 +157,10 @@ def one_run(variant: str, nbytes: int, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             progress = client.run_on_scheduler(_progress)
-            if progress.get("barrier") == "memory" and progress["done"] >= progress["outputs"] // 2:
+            if _reached(phase, progress):
                 break
             if time.monotonic() > deadline or future.done():
-                raise RuntimeError(f"never reached the unpack phase: {progress}")
+                raise RuntimeError(f"never reached the {phase} phase: {progress}")
             time.sleep(0.005)
         victim = progress["victim"]
         survivors = [a for a in client.scheduler_info()["workers"] if a != victim]
@@ -155,10 +175,12 @@ def one_run(variant: str, nbytes: int, timeout: float) -> dict:
         sent_after = _bytes_sent(client, survivors)
     return {
         "variant": variant,
+        "phase": phase,
         "ok": ok,
         "seconds_after_kill": round(seconds, 3),
         "outputs_total": progress["outputs"],
         "outputs_done_at_kill": progress["done"],
+        "transfers_done_at_kill": progress["transfers_done"],
         "outputs_after_kill": after["outputs"],
         "transfers_after_kill": after["transfers"],
         "bytes_sent_after_kill": sent_after - sent_before,
@@ -172,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     nbytes = int(parse_bytes(args.size))
     w = rows_to_columns(nbytes)
-    print(f"# {w.summary()}, 3 workers x 1 thread; owner killed after the barrier", flush=True)
+    when = "after the barrier" if args.phase == "unpack" else "during the transfers"
+    print(f"# {w.summary()}, 3 workers x 1 thread; owner killed {when}", flush=True)
     runs = []
     for _ in range(args.repeat):
         for variant in VARIANTS:
-            run = one_run(variant, nbytes, args.timeout)
+            run = one_run(variant, args.phase, nbytes, args.timeout)
             runs.append(run)
             print(json.dumps(run), flush=True)
     print("\n| variant | s after kill | outputs assembled after | transfers after | "

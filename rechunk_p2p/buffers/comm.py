@@ -234,7 +234,8 @@ class CommBuffer:
                     self._bytes_queued -= nbytes
                     self._release(nbytes)
         finally:
-            del self._drainers[address]
+            if self._drainers.get(address) is asyncio.current_task():
+                del self._drainers[address]  # (forget and close take it out themselves)
             if self._phase is not SendPhase.SENDING:
                 self._drop(queue)
             if not self._drainers:
@@ -295,21 +296,28 @@ class CommBuffer:
         (the run goes on without them; their shards are sent to other workers instead)."""
         self._departed |= addresses
         for address in addresses:
-            drainer = self._drainers.get(address)
+            # a drainer cancelled before it started never runs its finally: take it out here
+            # (one that started gives its in-flight batch's bytes back as it stops)
+            drainer = self._drainers.pop(address, None)
             if drainer is not None:
-                drainer.cancel()  # its finally gives the in-flight batch's bytes back
+                drainer.cancel()
             self._drop(self._queues.pop(address, deque()))
+        if not self._drainers:
+            self._idle.set()
         if self._phase is SendPhase.FAILED and self._failed_on in addresses:
             self._set_phase(SendPhase.SENDING)
 
     async def close(self) -> None:
         """Stop sending, drop what is queued and give its bytes back to the limiter."""
         self._set_phase(SendPhase.CLOSED)
-        for task in list(self._drainers.values()):
+        drainers = list(self._drainers.values())
+        self._drainers.clear()  # (those cancelled before they started never clear themselves)
+        for task in drainers:
             task.cancel()
-        await asyncio.gather(*self._drainers.values(), return_exceptions=True)
+        await asyncio.gather(*drainers, return_exceptions=True)
         for queue in self._queues.values():
             self._drop(queue)
+        self._idle.set()
 
     def statistics(self) -> CommStatistics:
         return CommStatistics(

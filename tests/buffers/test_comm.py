@@ -246,6 +246,33 @@ async def test_close_drops_queue_and_releases_bytes():
 
 
 @gen_test()
+async def test_forgetting_a_departed_peer_drops_its_shards_and_its_failure():
+    send = Recorder(fail_times=100)  # "gone" refuses every send
+    comm, limiter = make(send, concurrency=1, message_bytes=100)
+    await put_all(comm, {"gone": [shard(0, i) for i in range(3)]})
+    with pytest.raises(RechunkCommError):
+        await comm.flush()  # failed on it, for good
+    comm.forget({"gone"})
+    assert comm.phase.value == "sending" and limiter.used == 0
+    send.fail_times = 0
+    await put_all(comm, {"gone": [shard(0, 5)], "here": [shard(1, 5)]})
+    await asyncio.wait_for(comm.flush(), 5)
+    assert [address for address, _ in send.batches] == ["here"]  # nothing more for "gone"
+    assert limiter.used == 0
+
+
+@gen_test()
+async def test_forgetting_a_peer_whose_sends_have_not_started_lets_flush_return():
+    send = Recorder()
+    comm, limiter = make(send)
+    comm._enqueue("gone", shard(0, 1), 100)  # its drainer is created, not started yet
+    limiter.acquire_blocking(100)  # (the bytes a put holds)
+    comm.forget({"gone"})  # in the same loop turn: the drainer never runs
+    await asyncio.wait_for(comm.flush(), 5)
+    assert limiter.used == 0 and send.batches == []
+
+
+@gen_test()
 async def test_limiter_admits_oversized_request_when_empty():
     limiter = ByteLimiter(10)
     assert await asyncio.wait_for(asyncio.to_thread(limiter.acquire_blocking, 100), 1)
