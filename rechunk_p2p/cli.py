@@ -361,7 +361,18 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
         ) as local,
         distributed.Client(local) as client,
     ):
-        yield client
+        try:
+            yield client
+        finally:
+            with contextlib.suppress(Exception):
+                client.run(_quiet_shutdown)
+
+
+def _quiet_shutdown() -> None:
+    """On each worker of the CLI's own cluster, as it shuts down: a heartbeat racing the
+    scheduler's close logs a traceback (distributed's "Failed to communicate with scheduler
+    during heartbeat"), which is noise once the work is done."""
+    logging.getLogger("distributed.worker").setLevel(logging.CRITICAL)
 
 
 def _fail(message: str) -> None:

@@ -82,8 +82,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self._shifts = itertools.count()
         self.runs_created = 0
         self.restarts_saved = 0  # workers that left a run without restarting it
-        self.restarts = 0  # runs restarted from scratch by this plugin (an owner left early)
-        self.continuations = 0  # runs continued after an owner left past the barrier
+        self.restarts = 0  # runs restarted from scratch (no other worker left, a result lost)
+        self.continuations = 0  # runs continued after an owner left
         self.outputs_kept = 0  # finished outputs of other workers that continuations kept
         self.outputs_moved = 0  # outputs continuations moved to another worker
         # transfer key -> the worker that computed it, while its result is in memory
@@ -405,34 +405,17 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         worker assembled already, or is assembling (tasks that the release cancels), are kept
         for the continued run's tasks (their shards are gone).
         """
-        spec = run.run_spec.spec
         tasks = self.scheduler.tasks
         barrier = tasks[barrier_key(shuffle_id)]
         resend_all = self._resend_all(run, worker, barrier)
         new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)), resend_all)
-        keep: dict[str, list[int]] = {w: [] for w in new.workers}
-        finished = 0
-        for flat in spec.outputs:
-            if flat in new.moved:
-                continue
-            ts = tasks.get(spec.output_key(flat))
-            if ts is not None and ts.state in _BARRIER_PENDING:
-                # may be running, or done on its worker and not reported yet
-                keep[new.worker_for(flat)].append(flat)
-            else:
-                finished += 1  # in memory, or consumed already
+        keep, finished = self._unfinished_outputs(new)
         moved = new.moved - run.run_spec.moved
         run.run_spec = new
         run.owners = new.owners()
         run.participants.discard(worker)
         run.departed.add(worker)
-        pins = {}
-        for flat in sorted(moved):
-            key = spec.output_key(flat)
-            if key in tasks:
-                run.restricted.setdefault(key, tasks[key].worker_restrictions)
-                pins[key] = {new.worker_for(flat)}
-        self.scheduler.set_restrictions(pins)
+        self._pin(run, moved)
         msgs = {
             w: [
                 {
@@ -467,11 +450,39 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             len(moved),
             finished,
             len(resend_all),
-            len(spec.inputs),
+            len(new.spec.inputs),
         )
         stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
         self.scheduler.transitions(recs, stimulus_id=stimulus_id)
         self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+    def _unfinished_outputs(self, run_spec: RunSpec) -> tuple[dict[str, list[int]], int]:
+        """Per worker, its outputs (not moved) whose tasks are not finished on the scheduler
+        (running, or done on the worker and not reported yet); and how many are finished (in
+        memory, or consumed already)."""
+        spec = run_spec.spec
+        keep: dict[str, list[int]] = {w: [] for w in run_spec.workers}
+        finished = 0
+        for flat in spec.outputs:
+            if flat in run_spec.moved:
+                continue
+            ts = self.scheduler.tasks.get(spec.output_key(flat))
+            if ts is not None and ts.state in _BARRIER_PENDING:
+                keep[run_spec.worker_for(flat)].append(flat)
+            else:
+                finished += 1
+        return keep, finished
+
+    def _pin(self, run: SchedulerRun, outputs: frozenset[int]) -> None:
+        """Restrict the unpack tasks of ``outputs`` to their (new) workers."""
+        spec, tasks = run.run_spec.spec, self.scheduler.tasks
+        pins = {}
+        for flat in sorted(outputs):
+            key = spec.output_key(flat)
+            if key in tasks:
+                run.restricted.setdefault(key, tasks[key].worker_restrictions)
+                pins[key] = {run.run_spec.worker_for(flat)}
+        self.scheduler.set_restrictions(pins)
 
     def _resend_all(self, run: SchedulerRun, worker: str, barrier: Any) -> frozenset[int]:
         """The inputs whose shards may have been lost with ``worker``: their transfers send

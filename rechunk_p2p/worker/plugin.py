@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,8 +210,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 
         async def send(address: str, batch: list[Packed]) -> None:
-            # the run's current id: a receiver that has not heard of a continuation yet
-            # fetches it first (and checks the moved outputs' owners with it)
+            # the current id of ``run`` (made below): a receiver that has not heard of a
+            # continuation yet fetches it first (and checks the moved outputs' owners with it)
             await dataplane.send(address, shuffle_id, run.run_id, batch)
 
         comm = CommBuffer(
@@ -310,7 +311,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         await run.pass_barrier()
 
     def _continue_handler(
-        self, shuffle_id: ShuffleId, run_spec: RunSpec, keep: list[int] = ()
+        self, shuffle_id: ShuffleId, run_spec: RunSpec, keep: Sequence[int] = ()
     ) -> None:
         """The scheduler continues a run after an output owner left (see
         :meth:`RechunkSchedulerPlugin._continue_without`).
@@ -327,7 +328,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         kept = run.keep_outputs(list(keep), held)
         logger.debug("%r continues; kept %d of %d outputs", run, kept, len(keep))
 
-    def _held_outputs(self, run_spec: RunSpec, outputs: Any) -> dict:
+    def _held_outputs(self, run_spec: RunSpec, outputs: Sequence[int]) -> dict:
         """The results of ``outputs`` this worker holds in memory (not spilled)."""
         data = getattr(self.worker, "data", {})
         fast = getattr(data, "fast", data)
