@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pickle
 import threading
+from types import SimpleNamespace
 
 import dask
 import numpy as np
@@ -160,7 +161,9 @@ async def test_errors_past_the_retry_count_fail_the_barrier_naming_the_peer(seam
     with dask.config.set({**FAST_RETRIES, "rechunk-p2p.comm.retry-count": 2}):
         async with seam() as (_, network, plugins):
             network.fail = always
-            await transfer_all(plugins)
+            # a transfer that starts after its worker's buffer failed raises the failure
+            outcomes = await transfer_all(plugins, return_exceptions=True)
+            assert all(o == 1 or isinstance(o, RechunkCommError) for o in outcomes), outcomes
             with pytest.raises(RechunkCommError, match=r"cannot deliver shards .* at dp-"):
                 await barrier(plugins[0], [1] * ROWS)
             assert max(network.attempts.values()) == 3  # the first try and two retries
@@ -392,3 +395,15 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
             duplicates = sum(p.runs[SHUFFLE]._store.statistics().duplicates for p in survivors)
             assert resent - before == 16 * len(moved)  # 1 x 2 float64 shards
             assert duplicates == len(again) > 0  # received or stored by their cutter
+
+
+def test_a_task_on_a_closing_worker_does_not_install_the_plugin_again():
+    from distributed.core import Status
+
+    from rechunk_p2p.worker.install import plugin_for_task
+
+    # the worker's plugins were taken down as it closes; a task that starts now fails at once
+    # (installing would wait for a plugin that never comes, holding up the worker's close)
+    worker = SimpleNamespace(plugins={}, status=Status.closing, address="tcp://w:1")
+    with pytest.raises(StaleRunError, match="is closing"):
+        plugin_for_task(worker)

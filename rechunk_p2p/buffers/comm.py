@@ -98,6 +98,9 @@ class CommBuffer:
         ``limiter``; ``None``: the worker's limit alone.
     loop
         The loop that sends (the data plane's); default: the running loop.
+    closing
+        Whether the worker is closing: a thread waiting for room gives up then (the worker's
+        close waits for its task threads, and the run closes only after them).
     """
 
     def __init__(
@@ -110,8 +113,10 @@ class CommBuffer:
         name: str = "rechunk_p2p",
         run_limiter: ByteLimiter | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        closing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._loop = asyncio.get_running_loop() if loop is None else loop
+        self._closing = closing
         self._name = name
         self._send = send
         self._limiters = (limiter,) if run_limiter is None else (run_limiter, limiter)
@@ -145,6 +150,7 @@ class CommBuffer:
             nbytes = packed.nbytes
             if not self._acquire_blocking(nbytes):
                 self._raise_if_unusable()
+                raise StaleRunError(f"{self._name}: the worker is closing; its sends are dropped")
             try:
                 self._loop.call_soon_threadsafe(self._enqueue, address, packed, nbytes)
             except RuntimeError:  # the data plane's loop is closed: the worker is going
@@ -168,7 +174,7 @@ class CommBuffer:
         return True
 
     def _stopped(self) -> bool:
-        return self._phase is not SendPhase.SENDING
+        return self._phase is not SendPhase.SENDING or self._closing()
 
     def _release(self, nbytes: int) -> None:
         for limiter in self._limiters:

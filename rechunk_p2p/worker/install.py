@@ -11,11 +11,16 @@ from typing import Any
 
 from distributed.protocol.pickle import dumps
 
-from rechunk_p2p.errors import ClusterError
+from rechunk_p2p.errors import ClusterError, StaleRunError
 from rechunk_p2p.offload import from_thread
 from rechunk_p2p.scheduler import RechunkSchedulerPlugin
 from rechunk_p2p.spec import PLUGIN_NAME
-from rechunk_p2p.worker.plugin import INSTALL_TIMEOUT, RechunkWorkerPlugin, get_plugin
+from rechunk_p2p.worker.plugin import (
+    INSTALL_TIMEOUT,
+    RechunkWorkerPlugin,
+    get_plugin,
+    worker_closing,
+)
 
 
 def plugin_for_task(worker: Any) -> RechunkWorkerPlugin:
@@ -26,6 +31,8 @@ def plugin_for_task(worker: Any) -> RechunkWorkerPlugin:
     in turn registers this plugin on every current and future worker.
     """
     if PLUGIN_NAME not in worker.plugins:
+        if worker_closing(worker):  # its plugins were taken down: nothing to install for
+            raise StaleRunError(f"Worker {worker.address} is closing; its task is dropped")
         from_thread(worker.loop.asyncio_loop, _install, worker)
     plugin = get_plugin(worker)
     plugin.wait_ready_blocking()
@@ -48,6 +55,8 @@ async def _install(worker: Any) -> None:
         ) from e
     # another worker's request may still be registering the worker plugin everywhere
     while PLUGIN_NAME not in worker.plugins:
+        if worker_closing(worker):
+            raise StaleRunError(f"Worker {worker.address} is closing; its task is dropped")
         if loop.time() > deadline:
             raise ClusterError(
                 f"The rechunk_p2p worker plugin did not reach {worker.address} within "

@@ -231,6 +231,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 else ByteLimiter(run_spec.spec.send_buffer_bytes)
             ),
             loop=dataplane.loop,
+            closing=self._closing,
         )
         _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
         run = WorkerRun(
@@ -245,6 +246,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
             recent_outputs=max(getattr(self.worker, "nthreads", 1), 1),
         )
         return run
+
+    def _closing(self) -> bool:
+        """Whether the worker is closing (read from any thread)."""
+        return worker_closing(self.worker)
 
     def _resolve_storage(self, run_spec: RunSpec) -> str:
         storage = run_spec.spec.storage
@@ -513,6 +518,12 @@ def _checked(response: dict) -> dict:
         assert exc is not None
         raise exc.with_traceback(tb)
     return response
+
+
+def worker_closing(worker: Any) -> bool:
+    """Whether ``worker`` is closing or closed (its plugins are being taken down)."""
+    status = getattr(getattr(worker, "status", None), "name", "running")
+    return status in ("closing", "closed", "closing_gracefully")
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:

@@ -273,6 +273,26 @@ async def test_forgetting_a_peer_whose_sends_have_not_started_lets_flush_return(
 
 
 @gen_test()
+async def test_a_put_waiting_for_room_gives_up_when_the_worker_closes():
+    send = Recorder()
+    send.release.clear()  # sends stay in flight: the buffer stays full
+    closing = False
+    comm = CommBuffer(
+        send, ByteLimiter(100), asyncio.Semaphore(1), 100, NO_RETRY_DELAY,
+        closing=lambda: closing,
+    )
+    await put_all(comm, {"a": [shard(0, 1)]})
+    waiting = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 2)]}))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    closing = True
+    with pytest.raises(StaleRunError, match="worker is closing"):
+        await asyncio.wait_for(waiting, 5)
+    send.release.set()
+    await comm.close()
+
+
+@gen_test()
 async def test_limiter_admits_oversized_request_when_empty():
     limiter = ByteLimiter(10)
     assert await asyncio.wait_for(asyncio.to_thread(limiter.acquire_blocking, 100), 1)
