@@ -521,9 +521,10 @@ def _checked(response: dict) -> dict:
 
 
 def worker_closing(worker: Any) -> bool:
-    """Whether ``worker`` is closing or closed (its plugins are being taken down)."""
+    """Whether ``worker`` is closing or closed (its plugins are being taken down). A worker
+    retiring gracefully is not: it still finishes its tasks, and their results move on."""
     status = getattr(getattr(worker, "status", None), "name", "running")
-    return status in ("closing", "closed", "closing_gracefully")
+    return status in ("closing", "closed")
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:
