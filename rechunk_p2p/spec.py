@@ -277,13 +277,6 @@ class RunSpec:
         """The data plane address of the worker that assembles output ``flat``."""
         return self.dataplanes[self.worker_position(flat)]
 
-    def outputs_of(self, worker: str) -> np.ndarray:
-        """Flat indices of the outputs ``worker`` assembles."""
-        if worker not in self.workers:
-            return np.empty(0, dtype=np.int64)
-        outputs = self.spec.outputs_array
-        return outputs[self.worker_positions(outputs) == self.workers.index(worker)]
-
     def continued_without(
         self, worker: str, run_id: RunId, resend_all: frozenset[int] = frozenset()
     ) -> RunSpec:

@@ -148,9 +148,13 @@ class CommBuffer:
         for address, packed in batches.items():
             self._raise_if_unusable()
             nbytes = packed.nbytes
-            if not self._acquire_blocking(nbytes):
+            while not self._acquire_blocking(nbytes):
                 self._raise_if_unusable()
-                raise StaleRunError(f"{self._name}: the worker is closing; its sends are dropped")
+                if self._closing():
+                    raise StaleRunError(
+                        f"{self._name}: the worker is closing; its sends are dropped"
+                    )
+                # else a failure on a departed peer was forgotten meanwhile: wait again
             try:
                 self._loop.call_soon_threadsafe(self._enqueue, address, packed, nbytes)
             except RuntimeError:  # the data plane's loop is closed: the worker is going

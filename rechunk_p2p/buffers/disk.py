@@ -14,6 +14,7 @@ stored as raw bytes; dtypes holding Python objects are pickled (protocol 5). Dis
 discarded outputs is reclaimed only when the store is closed, which removes the file and the
 directory.
 """
+
 from __future__ import annotations
 
 import contextlib

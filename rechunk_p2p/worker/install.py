@@ -31,8 +31,7 @@ def plugin_for_task(worker: Any) -> RechunkWorkerPlugin:
     in turn registers this plugin on every current and future worker.
     """
     if PLUGIN_NAME not in worker.plugins:
-        if worker_closing(worker):  # its plugins were taken down: nothing to install for
-            raise StaleRunError(f"Worker {worker.address} is closing; its task is dropped")
+        _raise_if_closing(worker)  # its plugins were taken down: nothing to install for
         from_thread(worker.loop.asyncio_loop, _install, worker)
     plugin = get_plugin(worker)
     plugin.wait_ready_blocking()
@@ -55,11 +54,15 @@ async def _install(worker: Any) -> None:
         ) from e
     # another worker's request may still be registering the worker plugin everywhere
     while PLUGIN_NAME not in worker.plugins:
-        if worker_closing(worker):
-            raise StaleRunError(f"Worker {worker.address} is closing; its task is dropped")
+        _raise_if_closing(worker)
         if loop.time() > deadline:
             raise ClusterError(
                 f"The rechunk_p2p worker plugin did not reach {worker.address} within "
                 f"{INSTALL_TIMEOUT:g} s of installing it"
             )
         await asyncio.sleep(0.02)
+
+
+def _raise_if_closing(worker: Any) -> None:
+    if worker_closing(worker):
+        raise StaleRunError(f"Worker {worker.address} is closing; its task is dropped")

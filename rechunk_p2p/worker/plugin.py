@@ -336,13 +336,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def _held_outputs(self, run_spec: RunSpec, outputs: Sequence[int]) -> dict:
         """The results of ``outputs`` this worker holds in memory (not spilled)."""
         data = getattr(self.worker, "data", {})
-        fast = getattr(data, "fast", data)
-        held = {}
-        for flat in outputs:
-            value = fast.get(run_spec.spec.output_key(flat)) if hasattr(fast, "get") else None
-            if value is not None:
-                held[flat] = value
-        return held
+        fast = getattr(data, "fast", data)  # a SpillBuffer's in-memory part, or a dict
+        held = {flat: fast.get(run_spec.spec.output_key(flat)) for flat in outputs}
+        return {flat: value for flat, value in held.items() if value is not None}
 
     def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:

@@ -33,9 +33,9 @@ from rechunk_p2p.worker.dataplane import DataPlane
 
 
 class RunPhase(enum.Enum):
-    """Where a run is on one worker. Changed only by :meth:`WorkerRun._set_phase`, along
-    :data:`_NEXT` (a run is closed once, from either phase, and stays closed; a continued run
-    transfers again)."""
+    """Where a run is on one worker. Changed only by :meth:`WorkerRun._set_phase` (or its
+    ``_locked`` form), along :data:`_NEXT` (a run is closed once, from either phase, and stays
+    closed; a continued run transfers again)."""
 
     TRANSFERRING = "transferring"
     BARRIER_PASSED = "barrier-passed"
@@ -43,7 +43,9 @@ class RunPhase(enum.Enum):
 
 
 _NEXT: dict[RunPhase, frozenset[RunPhase]] = {
-    RunPhase.TRANSFERRING: frozenset({RunPhase.BARRIER_PASSED, RunPhase.CLOSED}),
+    RunPhase.TRANSFERRING: frozenset(
+        {RunPhase.TRANSFERRING, RunPhase.BARRIER_PASSED, RunPhase.CLOSED}
+    ),
     RunPhase.BARRIER_PASSED: frozenset(
         {RunPhase.TRANSFERRING, RunPhase.BARRIER_PASSED, RunPhase.CLOSED}
     ),
@@ -185,11 +187,17 @@ class WorkerRun:
     def _set_phase(self, phase: RunPhase) -> RunPhase:
         """Move to ``phase``; the phase it left. A closed run raises ``StaleRunError``."""
         with self._lock:
-            previous = self._phase
-            if phase not in _NEXT[previous]:
-                raise StaleRunError(f"{self!r} cannot go from {previous.value} to {phase.value}")
-            self._phase = phase
-            return previous
+            return self._set_phase_locked(phase)
+
+    def _set_phase_locked(self, phase: RunPhase) -> RunPhase:
+        previous = self._phase
+        if phase not in _NEXT[previous]:
+            raise StaleRunError(  # (not repr(self): it takes the lock held here)
+                f"Run {self.run_id} of rechunk {self.shuffle_id} on {self.worker_address} "
+                f"cannot go from {previous.value} to {phase.value}"
+            )
+        self._phase = phase
+        return previous
 
     @property
     def _position(self) -> int:
@@ -325,6 +333,8 @@ class WorkerRun:
         with self._lock:
             kept = self._kept.pop(flat, None)
             consumed = kept is None and flat in self._assembled
+            if kept is None and not consumed:
+                self._assembling.add(flat)
         if kept is not None:
             return kept
         if consumed:
@@ -333,8 +343,6 @@ class WorkerRun:
                 f"{self.shuffle_id} was assembled on {self.worker_address} before, and its "
                 "result was lost"
             )
-        with self._lock:
-            self._assembling.add(flat)
         try:
             out = self._assemble_blocking(flat)
         except BaseException:
@@ -425,7 +433,7 @@ class WorkerRun:
                 return False
             departed = set(self.run_spec.dataplanes) - set(run_spec.dataplanes)
             self.run_spec = run_spec
-            self._phase = RunPhase.TRANSFERRING
+            self._set_phase_locked(RunPhase.TRANSFERRING)
         if departed:  # the comm buffer is confined to the data plane's loop
             with contextlib.suppress(RuntimeError):  # closed: the worker is going
                 self._dataplane.loop.call_soon_threadsafe(self._comm.forget, departed)
