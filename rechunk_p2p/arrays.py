@@ -105,6 +105,7 @@ def _make_plan(
         unknown_axes=unknown,
         send_buffer_bytes=config.get_optional_bytes("comm.run-buffer-bytes"),
         partial_bytes=config.get_bytes("partial-bytes"),
+        partial_outputs=config.get_count("partial-outputs"),
     )
 
 

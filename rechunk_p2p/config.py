@@ -69,6 +69,19 @@ def get_optional_bytes(key: str) -> int | None:
     return nbytes
 
 
+def get_count(key: str) -> int:
+    """The setting ``rechunk-p2p.<key>`` as a whole number, zero or more."""
+    value = get(key)
+    try:
+        count = int(value)
+        exact = count == value or str(count) == str(value).strip()
+    except (TypeError, ValueError):
+        exact = False
+    if not exact or count < 0 or isinstance(value, bool):
+        raise RechunkInputError(f"rechunk-p2p.{key} is {value!r}; give a whole number, 0 or more")
+    return count
+
+
 def get_seconds(key: str) -> float:
     """Return the setting ``rechunk-p2p.<key>`` as a number of seconds."""
     return float(parse_timedelta(get(key)))

@@ -76,6 +76,22 @@ async def test_unknown_storage_setting(c, s, a, b):
     await assert_clean(s, a, b)
 
 
+@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
+async def test_bad_partial_outputs_setting(c, s, a, b):
+    await rechunk_p2p.register(c)
+    x = da.from_array(np.arange(100).reshape(10, 10), chunks=(1, 10))
+    for bad in (-1, 2.5, "many", None, True):
+        with dask.config.set({"rechunk-p2p.partial-outputs": bad}):
+            for attempt in (rechunk_p2p.rechunk, rechunk_p2p.plan):
+                with pytest.raises(ValueError, match=r"rechunk-p2p\.partial-outputs") as info:
+                    attempt(x, (10, 1))
+                assert isinstance(info.value, RechunkP2PError)
+                assert "whole number" in str(info.value)
+    assert not s.tasks
+    assert s.plugins[PLUGIN].runs_created == 0
+    await assert_clean(s, a, b)
+
+
 def test_extra_entries_are_ignored_like_dask():
     x = _square()
     for chunks in [(5, 2, 7), ((5, 5), (2, 8), (1,))]:

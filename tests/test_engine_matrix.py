@@ -291,6 +291,14 @@ async def test_small_partials_are_joined_into_one_run(c, s, a, b):
         check_result(await c.compute(rechunk_p2p.rechunk(x, (10, 5))), arr)
         assert plugin.runs_created - before == 2
     await assert_clean(s, a, b)
+    # Each partial has 2 outputs: at most 4 outputs a run joins them in pairs.
+    with dask.config.set({"rechunk-p2p.partial-outputs": 4}):
+        plan = rechunk_p2p.plan(x, (10, 5))
+        assert plan.n_partials == 8 and {p.n_outputs for p in plan.partials} == {4}
+        before = plugin.runs_created
+        check_result(await c.compute(rechunk_p2p.rechunk(x, (10, 5))), arr)
+        assert plugin.runs_created - before == 8
+    await assert_clean(s, a, b)
 
 
 @gen_cluster(

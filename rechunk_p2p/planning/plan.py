@@ -23,6 +23,7 @@ def make_partials(
     new_chunks: Chunks,
     *,
     min_elements: int = 0,
+    max_outputs: int = 0,
     fixed_axes: tuple[int, ...] = (),
 ) -> tuple[Partial, ...]:
     """Decompose a rechunk into independent partials, in C order over the grid of partials.
@@ -30,7 +31,10 @@ def make_partials(
     With ``min_elements``, neighbouring partials that each need a shuffle are joined into
     one, box by box, until a partial holds about that many elements: every partial is one
     run of the shuffle (its own barrier and round trips to the scheduler), so thousands of
-    tiny ones cost far more than their bytes. Partials that need no shuffle (slices or
+    tiny ones cost far more than their bytes. With ``max_outputs`` too, joining stops before
+    a partial has more output chunks than that: when a run's barrier passes, the scheduler
+    sends all of its output tasks at once, and each worker takes its share of that batch of
+    task messages in one step of its event loop. Partials that need no shuffle (slices or
     concatenations, built by plain tasks) are never joined, and neither are ``fixed_axes``.
 
     >>> [p.index for p in make_partials(((2, 2), (3,)), ((4,), (1, 2)))]
@@ -40,12 +44,14 @@ def make_partials(
     >>> many = ((1,) * 8, (2,) * 4), ((2,) * 4, (1,) * 8)  # 16 partials of 2 x 2 chunks
     >>> len(make_partials(*many)), len(make_partials(*many, min_elements=16))
     (16, 4)
+    >>> len(make_partials(*many, min_elements=16, max_outputs=4))
+    8
     """
     if len(old_chunks) != len(new_chunks):
         raise RechunkInputError(f"Chunks {old_chunks} and {new_chunks} have different dimensions")
     groups = [axis_groups(o, n) for o, n in zip(old_chunks, new_chunks)]
     if min_elements > 1 and _every_partial_shuffles(groups, old_chunks, new_chunks):
-        groups = _joined(groups, old_chunks, min_elements, fixed_axes)
+        groups = _joined(groups, old_chunks, min_elements, max_outputs, fixed_axes)
     partials = []
     for index in itertools.product(*(range(len(g)) for g in groups)):
         chosen = [g[i] for g, i in zip(groups, index)]
@@ -77,24 +83,32 @@ def _joined(
     groups: list[tuple[AxisGroup, ...]],
     old_chunks: Chunks,
     min_elements: int,
+    max_outputs: int,
     fixed_axes: tuple[int, ...],
 ) -> list[tuple[AxisGroup, ...]]:
     """Join neighbouring groups, from the last axis to the first, until a partial (the
-    product of one group per axis) holds about ``min_elements`` elements."""
+    product of one group per axis) holds about ``min_elements`` elements, or would have more
+    than ``max_outputs`` output chunks (0: no limit)."""
     lengths = [
         [sum(old_chunks[a][k] for k in g.old) for g in axis] for a, axis in enumerate(groups)
     ]
     typical = [max(axis) if axis else 0 for axis in lengths]
+    outputs = [max((len(g.new) for g in axis), default=0) for axis in groups]
     out = list(groups)
     for axis in reversed(range(len(groups))):
         rest = math.prod(t for a, t in enumerate(typical) if a != axis)
         if axis in fixed_axes or rest == 0 or typical[axis] * rest >= min_elements:
             continue
         target = -(-min_elements // rest)  # elements along this axis per joined group
+        # output chunks along this axis per joined group
+        most = max_outputs // math.prod(max(n, 1) for a, n in enumerate(outputs) if a != axis)
+        if max_outputs and most < 2:
+            continue
         joined: list[AxisGroup] = []
         length = 0
         for group, n in zip(groups[axis], lengths[axis]):
-            if joined and length < target:
+            fits = not max_outputs or (joined and len(joined[-1].new) + len(group.new) <= most)
+            if joined and length < target and fits:
                 last = joined[-1]
                 joined[-1] = AxisGroup(
                     range(last.old.start, group.old.stop), range(last.new.start, group.new.stop)
@@ -105,6 +119,7 @@ def _joined(
                 length = n
         out[axis] = tuple(joined)
         typical[axis] = max(sum(old_chunks[axis][k] for k in g.old) for g in joined)
+        outputs[axis] = max(len(g.new) for g in joined)
         if math.prod(typical) >= min_elements:
             break
     return out
@@ -120,7 +135,8 @@ class RechunkPlan:
     ``send_buffer_bytes`` is the rechunk's own bound on the shards a worker holds queued for
     sending (``rechunk-p2p.comm.run-buffer-bytes``; ``None``: the worker's limit alone).
     ``partial_bytes``: independent sub-shuffles smaller than this are joined with their
-    neighbours (``rechunk-p2p.partial-bytes``; 0: never; see :func:`make_partials`).
+    neighbours (``rechunk-p2p.partial-bytes``; 0: never; see :func:`make_partials`), but not
+    past ``partial_outputs`` output chunks (``rechunk-p2p.partial-outputs``; 0: no limit).
     """
 
     shape: tuple[int, ...]
@@ -131,6 +147,7 @@ class RechunkPlan:
     unknown_axes: tuple[int, ...] = ()
     send_buffer_bytes: int | None = None
     partial_bytes: int = 0
+    partial_outputs: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -148,11 +165,13 @@ class RechunkPlan:
 
     @cached_property
     def partials(self) -> tuple[Partial, ...]:
-        """The independent sub-shuffles (small ones joined up to ``partial_bytes``)."""
+        """The independent sub-shuffles (small ones joined up to ``partial_bytes`` and
+        ``partial_outputs``)."""
         return make_partials(
             self.old_chunks,
             self.new_chunks,
             min_elements=self.partial_bytes // self.itemsize,
+            max_outputs=self.partial_outputs,
             fixed_axes=self.unknown_axes,
         )
 

@@ -87,18 +87,21 @@ def expected_needs_shuffle(partial: Partial, inputs: dict) -> bool:
 
 
 @SETTINGS
-@given(rechunks(), st.sampled_from([0, 2, 7, 50, 10**6]))
-def test_every_element_lands_once_in_the_right_place(case, min_elements):
-    """Also with neighbouring partials joined (``min_elements``): a joined partial is a
-    partial like any other."""
+@given(rechunks(), st.sampled_from([0, 2, 7, 50, 10**6]), st.sampled_from([0, 1, 2, 5, 16]))
+def test_every_element_lands_once_in_the_right_place(case, min_elements, max_outputs):
+    """Also with neighbouring partials joined (``min_elements``, ``max_outputs``): a joined
+    partial is a partial like any other."""
     shape, old, new = case
     array = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
     inputs = {k: array[s] for k, s in chunk_slices(old).items()}
     expected = {k: array[s] for k, s in chunk_slices(new).items()}
 
-    partials = make_partials(old, new, min_elements=min_elements)
+    partials = make_partials(old, new, min_elements=min_elements, max_outputs=max_outputs)
     fine = make_partials(old, new)
     assert len(partials) <= len(fine)
+    if max_outputs:  # joining never makes a partial with more outputs than the limit
+        most_fine = max((p.n_outputs for p in fine), default=0)
+        assert max((p.n_outputs for p in partials), default=0) <= max(max_outputs, most_fine)
     if len(partials) < len(fine):  # only partials that each shuffle are ever joined
         assert all(p.needs_shuffle for p in fine if p.size)
         assert all(p.needs_shuffle for p in partials)
@@ -198,6 +201,24 @@ def test_joining_stops_at_about_the_size_and_keeps_fixed_axes():
     assert len(make_partials(old, new, min_elements=10**9)) == 1
     kept = make_partials(old, new, min_elements=10**9, fixed_axes=(1,))
     assert len(kept) == 16 and {p.old_grid[1] for p in kept} == {1}
+
+
+def test_joining_stops_at_the_output_limit():
+    """64 KiB chunks (32 x 256 -> 256 x 32 elements of 8 bytes): 2,048 partials of 8 outputs.
+    The byte target alone joins them into 16 of 1,024 outputs; with the output limit, each
+    holds 128 and the byte target is not reached."""
+    old = ((32,) * 64, (256,) * 256)
+    new = ((256,) * 8, (32,) * 2048)
+    assert len(make_partials(old, new)) == 2048
+    by_bytes = make_partials(old, new, min_elements=(64 << 20) // 8)
+    assert len(by_bytes) == 16 and {p.n_outputs for p in by_bytes} == {1024}
+    limited = make_partials(old, new, min_elements=(64 << 20) // 8, max_outputs=128)
+    assert len(limited) == 128 and {p.n_outputs for p in limited} == {128}
+    assert {p.n_inputs for p in limited} == {128}
+    # A partial that is already past the limit stays as it is (it cannot be split).
+    assert [p.n_outputs for p in make_partials(old, new, max_outputs=4, min_elements=10**9)] == [
+        8
+    ] * 2048
 
 
 def test_partials_that_need_no_shuffle_are_never_joined():
