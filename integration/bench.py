@@ -9,7 +9,10 @@ Usage::
     python -m integration.bench --workloads 2d,3d --impls rechunk_p2p,dask-p2p
 
 Implementations alternate inside each repeat (A B C A B C ...), each run on a fresh
-cluster (so peak RSS is per run) after an untimed warm-up of the same implementation.
+cluster (so peak RSS is per run) after an untimed warm-up of the same implementation
+(``--reuse-cluster``: one cluster for every run). The data-only time is measured once, on a
+cluster of its own. Workers log "Event loop was unresponsive" past ``--tick-limit`` (200 ms;
+distributed's default is 3 s); the scheduler, in this process, keeps its own setting.
 Writes ``bench.json`` and, when matplotlib is installed, ``bench.png`` to ``--out`` and
 prints a table of medians across repeats.
 """
@@ -72,7 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval", default="5ms", help="loop-lag probe interval")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before giving up")
     p.add_argument(
-        "--reuse-cluster", action="store_true", help="one cluster for all runs (no fresh workers)"
+        "--reuse-cluster",
+        action="store_true",
+        help="one cluster for all runs (default: a fresh one per run, so peak RSS is the run's)",
+    )
+    p.add_argument(
+        "--tick-limit",
+        default="200ms",
+        help='workers log "Event loop was unresponsive" past this (distributed\'s default: 3s)',
     )
     p.add_argument("--out", type=Path, default=None, help="output directory")
     p.add_argument("--workers", type=int, default=2)
@@ -106,17 +116,27 @@ def _engine_statistics(client: Client, impl: str) -> dict[str, float] | None:
 
 @contextlib.contextmanager
 def cluster_client(args: argparse.Namespace, local_dir: str) -> Iterator[Client]:
-    """A local cluster of ``args.workers`` processes, every setting at its default."""
-    with (
-        LocalCluster(
+    """A local cluster of ``args.workers`` processes, every setting at its default but the
+    workers' tick limit (``--tick-limit``: the lag past which distributed logs "Event loop
+    was unresponsive"; a module constant of ``distributed.core``, so it reaches the worker
+    processes through their environment)."""
+    name = "DASK_DISTRIBUTED__ADMIN__TICK__LIMIT"
+    before = os.environ.get(name)
+    os.environ[name] = args.tick_limit
+    try:
+        cluster = LocalCluster(
             n_workers=args.workers,
             threads_per_worker=args.threads,
             processes=True,
             dashboard_address=":0",
             local_directory=local_dir,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+        )
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+    with cluster, Client(cluster) as client:
         yield client
 
 
@@ -378,15 +398,23 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", ref.summary(), flush=True)
     with (
         tempfile.TemporaryDirectory(prefix="rechunk-bench-") as local_dir,
-        cluster_client(args, local_dir) as client,
+        contextlib.ExitStack() as stack,
     ):
-        warm_up(client, impls)
-        data_s = {w.name: data_only_seconds(client, w) for w in wls}
+        shared = stack.enter_context(cluster_client(args, local_dir))
+        warm_up(shared, impls)
+        data_s = {w.name: data_only_seconds(shared, w) for w in wls}
         meta["data_only_s"] = data_s
+        if not args.reuse_cluster:
+            stack.close()
         for rep in range(args.repeat):
             for w in wls:
                 for impl in impls:
-                    run = run_one(client, impl, w, args) | {"repeat": rep}
+                    with contextlib.ExitStack() as fresh:
+                        client = shared
+                        if not args.reuse_cluster:
+                            client = fresh.enter_context(cluster_client(args, local_dir))
+                            warm_up(client, [impl])
+                        run = run_one(client, impl, w, args) | {"repeat": rep}
                     runs.append(run)
                     h = headline(run) if run.get("ok") else {}
                     print(

@@ -22,6 +22,13 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert r["lag"]["overall"]["samples"] > 0
         assert len(r["rss_peak_bytes"]) == 2 and min(r["rss_peak_bytes"].values()) > 10 * 2**20
     assert {m["impl"] for m in doc["medians"]} == set(bench.IMPLEMENTATIONS)
+    workers = [
+        {a: d for a, d in r["lag"]["distributed"].items() if d["server_type"] != "Scheduler"}
+        for r in doc["runs"]
+    ]
+    assert len({frozenset(w) for w in workers}) == 3, workers  # a fresh cluster per run
+    # distributed's "unresponsive" threshold on the workers is the benchmark's 200 ms
+    assert {d["tick_limit_s"] for w in workers for d in w.values()} == {0.2}
     assert min(doc["meta"]["reference"].values()) > 0  # the machine's bandwidths
     assert doc["meta"]["data_only_s"]["2d-rows-to-cols"] > 0
     engine = doc["runs"][0]["phases_s"]
