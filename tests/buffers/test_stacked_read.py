@@ -132,3 +132,38 @@ def test_a_write_buffer_lays_each_output_out_in_one_piece_per_flush(
         np.testing.assert_array_equal(out, data[:, flat * 8 : flat * 8 + 8])
         assert len(calls) == reads
     store.close_blocking()
+
+
+@pytest.mark.parametrize("kind", KINDS[:3])
+@pytest.mark.parametrize("dtype", ["f4", "M8[s]", "c16"])
+def test_stacked_shards_of_every_size_and_layout(kind, dtype, tmp_path):
+    """Small contiguous shards (moved with the GIL held), one past ``SMALL_COPY_BYTES``
+    (copied by numpy), a strided one and an empty one, of a dtype that exports its bytes as
+    a buffer and of one that does not (datetimes)."""
+    from rechunk_p2p.buffers.base import SMALL_COPY_BYTES
+
+    dtype = np.dtype(dtype)
+    width = 64
+    big_rows = SMALL_COPY_BYTES // (width * dtype.itemsize) + 1
+    rows = [1, 3, big_rows, 2, 0, 1]
+    values = np.arange(sum(rows) * width).reshape(-1, width)
+    data = values.astype("M8[s]") if dtype.kind == "M" else values.astype(dtype)
+    starts = np.cumsum([0, *rows])
+    shards = []
+    for i, (lo, hi) in enumerate(itertools.pairwise(starts.tolist())):
+        piece = data[lo:hi]
+        if i == 3:  # strided: every other column of a twice-as-wide array
+            wide = np.empty((hi - lo, 2 * width), dtype=dtype)
+            wide[:, ::2] = piece
+            piece = wide[:, ::2]
+            assert not piece.flags.c_contiguous
+        shards.append((0, i, piece))
+    store = new_store(kind, dtype, "sizes", str(tmp_path))
+    if kind == "disk-packed":
+        store.write_packed_blocking([pack_blocking(shards, dtype)])
+    else:
+        store.write_blocking(shards)
+    out = np.empty_like(data)
+    assert store.read_stacked_blocking(0, out, list(range(len(rows)))) == list(range(len(rows)))
+    np.testing.assert_array_equal(out, data)
+    store.close_blocking()
