@@ -140,6 +140,20 @@ def cluster_client(args: argparse.Namespace, local_dir: str) -> Iterator[Client]
         yield client
 
 
+@contextlib.contextmanager
+def run_cluster(
+    args: argparse.Namespace, local_dir: str, shared: Client, impl: str
+) -> Iterator[Client]:
+    """The cluster of one run: ``shared`` with ``--reuse-cluster``, else a fresh one on which
+    ``impl`` was warmed up."""
+    if args.reuse_cluster:
+        yield shared
+        return
+    with cluster_client(args, local_dir) as client:
+        warm_up(client, [impl])
+        yield client
+
+
 def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """One timed, measured, checked run; never raises for a failed run (records it)."""
     pids, dirs = _worker_info(client)
@@ -409,11 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             for w in wls:
                 for impl in impls:
-                    with contextlib.ExitStack() as fresh:
-                        client = shared
-                        if not args.reuse_cluster:
-                            client = fresh.enter_context(cluster_client(args, local_dir))
-                            warm_up(client, [impl])
+                    with run_cluster(args, local_dir, shared, impl) as client:
                         run = run_one(client, impl, w, args) | {"repeat": rep}
                     runs.append(run)
                     h = headline(run) if run.get("ok") else {}

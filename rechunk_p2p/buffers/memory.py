@@ -49,7 +49,6 @@ class MemoryShardStore:
         self._closed = False
         self._data: dict[int, dict[int, np.ndarray]] = {}
         self._ledger = ShardLedger()
-        self._exports_buffer = _exports_buffer(self.dtype)
 
     def __repr__(self) -> str:
         return f"<MemoryShardStore {self.name!r} dtype={self.dtype}>"
@@ -130,7 +129,6 @@ class MemoryShardStore:
             self._ledger.read(sum(a.nbytes for a in arrays.values()))
         target = out.reshape(-1).view(np.uint8)
         bytes_of = memoryview(target)
-        direct = self._exports_buffer
         placed: list[int] = []
         offset = 0
         for input_ in order:
@@ -141,12 +139,9 @@ class MemoryShardStore:
             if end > target.nbytes:
                 break
             if 0 < array.nbytes <= SMALL_COPY_BYTES and array.flags.c_contiguous:
-                # the usual shard (thousands per output): one memcpy with the GIL held and
-                # no numpy call (2.2 -> 0.6 us a 4 KiB shard, measured alone)
-                if direct:
-                    bytes_of[offset:end] = memoryview(array).cast("B")
-                else:
-                    bytes_of[offset:end] = memoryview(array.reshape(-1).view(np.uint8))
+                # the usual shard (thousands per output): one memcpy with the GIL held, no
+                # copy_into_blocking checks (2.2 -> 0.8 us a 4 KiB shard, measured alone)
+                bytes_of[offset:end] = memoryview(array.reshape(-1).view(np.uint8))
             elif array.nbytes:
                 contiguous = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
                 copy_into_blocking(target[offset:end], contiguous)
@@ -170,13 +165,3 @@ class MemoryShardStore:
         """Return a snapshot of the store's counters."""
         with self._lock:
             return self._ledger.statistics(self.kind, outputs=len(self._data))
-
-
-def _exports_buffer(dtype: np.dtype) -> bool:
-    """Whether arrays of ``dtype`` hand out their bytes as a buffer directly (datetimes and
-    objects do not)."""
-    try:
-        memoryview(np.zeros(1, dtype=dtype)).cast("B")
-    except (TypeError, ValueError):
-        return False
-    return not dtype.hasobject

@@ -138,8 +138,8 @@ def test_a_write_buffer_lays_each_output_out_in_one_piece_per_flush(
 @pytest.mark.parametrize("dtype", ["f4", "M8[s]", "c16"])
 def test_stacked_shards_of_every_size_and_layout(kind, dtype, tmp_path):
     """Small contiguous shards (moved with the GIL held), one past ``SMALL_COPY_BYTES``
-    (copied by numpy), a strided one and an empty one, of a dtype that exports its bytes as
-    a buffer and of one that does not (datetimes)."""
+    (copied by numpy), a strided one and an empty one, of float, complex and datetime
+    dtypes."""
     from rechunk_p2p.buffers.base import SMALL_COPY_BYTES
 
     dtype = np.dtype(dtype)
