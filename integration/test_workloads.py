@@ -72,3 +72,29 @@ def test_graph_rejects_wrong_chunks() -> None:
     assert y.chunks[1] == (w.target_chunks[1],) * (w.shape[1] // w.target_chunks[1])
     with pytest.raises(ValueError, match="unknown implementation"):
         workload_graph("nope", w)
+
+
+@pytest.mark.parametrize(
+    ("shape", "location"),
+    [
+        ((1024, 512, 512), [(5, 6), (0, 512), (0, 512)]),
+        ((1024, 512, 512), [(1000, 1024), (480, 512), (64, 96)]),
+        ((11585, 11585), [(11500, 11585), (7, 11585)]),
+        ((3, 5, 7, 11), [(1, 3), (0, 5), (2, 6), (10, 11)]),
+        ((2**20,), [(2**20 - 9, 2**20)]),
+        ((70_000, 70_000), [(69_990, 70_000), (69_000, 69_003)]),  # indices past 2**32
+    ],
+)
+def test_values_match_the_hash_of_each_global_index(shape, location) -> None:
+    index = np.zeros([hi - lo for lo, hi in location], dtype=object)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        lo, hi = location[axis]
+        ax = np.arange(lo, hi, dtype=object) * stride
+        index = index + ax.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+        stride *= shape[axis]
+    want = (index * 2654435761 + 12345) % 2**24
+    for dtype in ("float32", "float64", "int32"):
+        got = expected_block(shape, location, dtype)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert np.array_equal(got, want.astype(dtype))
