@@ -11,7 +11,10 @@ Usage::
 Implementations alternate inside each repeat (A B C A B C ...), each run on a fresh
 cluster (so peak RSS is per run) after an untimed warm-up of the same implementation
 (``--reuse-cluster``: one cluster for every run). The data-only time is measured once, on a
-cluster of its own. Workers log "Event loop was unresponsive" past ``--tick-limit`` (200 ms;
+cluster of its own. Timed, as in issue 12: generating the input, the rechunk and holding its
+outputs in worker memory (``--outputs persisted``); every output is checked after the clock
+stops (``--outputs checked``: checked on the workers inside the timed part instead, nothing
+kept). Workers log "Event loop was unresponsive" past ``--tick-limit`` (200 ms;
 distributed's default is 3 s); the scheduler, in this process, keeps its own setting.
 Writes ``bench.json`` and, when matplotlib is installed, ``bench.png`` to ``--out`` and
 prints a table of medians across repeats.
@@ -83,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tick-limit",
         default="200ms",
         help='workers log "Event loop was unresponsive" past this (distributed\'s default: 3s)',
+    )
+    p.add_argument(
+        "--outputs",
+        choices=("persisted", "checked"),
+        default="persisted",
+        help="time persisting the outputs, check them afterwards (default, the issue's setup); "
+        "or time checking them on the workers",
     )
     p.add_argument("--out", type=Path, default=None, help="output directory")
     p.add_argument("--workers", type=int, default=2)
@@ -160,21 +170,31 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
     stats0 = _engine_statistics(client, impl)
     out: dict[str, Any] = {"impl": impl, "workload": w.name, "load_before": os.getloadavg()[0]}
     try:
-        _, ok = workload_graph(impl, w)
+        y, ok = workload_graph(impl, w)
     except Exception as e:  # e.g. an implementation refusing the workload
         return {**out, "ok": False, "error": f"{type(e).__name__}: {e}"}
+    held = None
     with ResourceSampler(pids, dirs) as sampler:
         t0 = time.perf_counter()
         with measure_event_loops(
             client, args.interval, timeline_points=1000, capture_stacks="100ms"
         ) as probe:
-            future = client.compute(ok)
             try:
-                result, error = bool(future.result(timeout=args.timeout)), None
+                if args.outputs == "persisted":
+                    held = client.persist(y)
+                    distributed.wait(held, timeout=args.timeout)
+                    if any(f.status != "finished" for f in distributed.futures_of(held)):
+                        held.compute()  # raises the failure
+                    result, error = True, None
+                else:
+                    result, error = bool(client.compute(ok).result(timeout=args.timeout)), None
             except Exception as e:
                 result, error = False, f"{type(e).__name__}: {e}"
-                client.cancel(future)
         wall = time.perf_counter() - t0
+        if held is not None and result:  # after the clock: every output held is right
+            result = bool(client.compute(checked(held, w)).result(timeout=args.timeout))
+            error = None if result else "wrong values in the outputs"
+    del held
     stats1 = _engine_statistics(client, impl)
     delta = (
         None if stats0 is None or stats1 is None else {k: stats1[k] - stats0[k] for k in stats1}
@@ -319,13 +339,47 @@ def format_table(meds: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def data_only_seconds(client: Client, w: Workload) -> float:
-    """Wall time of generating and checking the workload's data in its own chunks: the part
-    of every implementation's wall time that is not the rechunk."""
+def format_ratios(meds: list[dict[str, Any]], data_s: dict[str, float]) -> str:
+    """rechunk_p2p's median wall time over each other implementation's, whole and with the
+    data-only time taken from both (what the rechunk itself costs)."""
+    lines = [
+        "rechunk_p2p / other, medians: wall time; and (wall - data only), the rechunk itself",
+        f"{'workload':<18} {'other':<12} {'data s':>7} {'mine s':>7} {'other s':>7} "
+        f"{'wall':>7} {'rechunk':>8}",
+    ]
+    by = {(m["workload"], m["impl"]): m for m in meds if m["runs"]}
+    for (name, impl), m in by.items():
+        mine = by.get((name, "rechunk_p2p"))
+        if impl == "rechunk_p2p" or mine is None:
+            continue
+        data = data_s.get(name, float("nan"))
+        own, other = mine["wall_s"] - data, m["wall_s"] - data
+        rechunk = own / other if other > 0 else float("nan")
+        lines.append(
+            f"{name:<18} {impl:<12} {data:7.1f} {mine['wall_s']:7.1f} {m['wall_s']:7.1f} "
+            f"{mine['wall_s'] / m['wall_s']:6.2f}x {rechunk:7.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def data_only_seconds(client: Client, w: Workload, outputs: str = "persisted") -> float:
+    """Wall time of the same work without the rechunk, the data in its own chunks:
+    generating and persisting it (or generating and checking it, ``outputs="checked"``).
+    The part of every implementation's wall time that is not the rechunk."""
     start = time.perf_counter()
-    if not client.compute(checked(source_array(w), w)).result():
+    x = source_array(w)
+    if outputs == "persisted":
+        x = client.persist(x)
+        distributed.wait(x)
+        seconds = time.perf_counter() - start
+        ok = client.compute(checked(x, w)).result()
+        del x
+    else:
+        ok = client.compute(checked(x, w)).result()
+        seconds = time.perf_counter() - start
+    if not ok:
         raise AssertionError(f"{w.name}: the generated data does not check")
-    return time.perf_counter() - start
+    return seconds
 
 
 def format_phases(
@@ -416,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         shared = stack.enter_context(cluster_client(args, local_dir))
         warm_up(shared, impls)
-        data_s = {w.name: data_only_seconds(shared, w) for w in wls}
+        data_s = {w.name: data_only_seconds(shared, w, args.outputs) for w in wls}
         meta["data_only_s"] = data_s
         if not args.reuse_cluster:
             stack.close()
@@ -440,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                     _write(out, meta, runs)
     meds = _write(out, meta, runs)
     print(format_table(meds))
+    print(format_ratios(meds, data_s))
     if "rechunk_p2p" in impls:
         print(format_phases(runs, wls, ref, args, data_s))
     try:

@@ -37,8 +37,33 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "2d-rows-to-cols" in out and "wall s" in out
     assert "rechunk_p2p per phase" in out and "floor/wall" in out
+    assert "rechunk_p2p / other" in out and "dask-tasks" in out.split("rechunk_p2p / other")[1]
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_bench_persisted_outputs_are_checked_after_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--outputs persisted`` (the default) a wrong rechunk is a failed run."""
+    from integration import workloads
+
+    args = bench.parse_args(["--size", "4MiB", "--workloads", "2d"])
+    assert args.outputs == "persisted"
+    w = bench.workloads_for(args)[0]
+    with bench.cluster_client(args, str(tmp_path)) as client:
+        good = bench.run_one(client, "dask-tasks", w, args)
+        assert good["ok"] and good["error"] is None and good["wall_s"] > 0, good
+        assert bench.data_only_seconds(client, w) > 0
+        real = workloads.rechunk_with
+        # an implementation that misplaces elements: found after the clock stops
+        monkeypatch.setattr(
+            workloads,
+            "rechunk_with",
+            lambda impl, x, chunks: real(impl, x, chunks).map_blocks(lambda b: b[::-1]),
+        )
+        bad = bench.run_one(client, "dask-tasks", w, args)
+    assert not bad["ok"] and bad["error"] == "wrong values in the outputs", bad
 
 
 def test_floor_counts_two_copies_the_cross_worker_share_and_the_spill() -> None:
