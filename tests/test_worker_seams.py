@@ -323,14 +323,14 @@ async def test_outputs_assembled_before_a_continuation_are_kept_for_it(seam, tmp
         done = await unpack(a, a_outputs[0])  # finished; its task is released by the scheduler
         run = a.runs[SHUFFLE]
         entered, release = threading.Event(), threading.Event()
-        read = run._store.read_stacked_blocking
+        read = run._store.take_output_blocking  # the memory store fills outputs as shards come
 
         def blocked_read(*args):
             entered.set()
             release.wait(10)
             return read(*args)
 
-        run._store.read_stacked_blocking = blocked_read
+        run._store.take_output_blocking = blocked_read
         running = asyncio.ensure_future(unpack(a, a_outputs[1]))  # assembling as it continues
         await asyncio.to_thread(entered.wait, 10)
         a, _ = await leave(scheduler, network, plugins, "c")

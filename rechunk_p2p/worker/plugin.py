@@ -26,7 +26,8 @@ from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
-from rechunk_p2p.buffers import make_store
+from rechunk_p2p.buffers import ShardStore, make_store
+from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
@@ -200,13 +201,24 @@ class RechunkWorkerPlugin(WorkerPlugin):
         assert self.dataplane is not None and self.offload is not None
         storage = self._resolve_storage(run_spec)
         directory = os.path.join(self.worker.local_directory, ENGINE_DIRECTORY)
-        store = make_store(
-            storage,
-            dtype=run_spec.spec.dtype,
-            directory=directory,
-            name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
-            buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
-        )
+        spec, name = run_spec.spec, f"{run_spec.shuffle_id}-run{run_spec.run_id}"
+        store: ShardStore | AssemblingMemoryStore
+        if storage == "memory" and not spec.unknown_axes and not spec.dtype.hasobject:
+            partial = spec.partial  # outputs are filled as their shards come
+            store = AssemblingMemoryStore(
+                spec.dtype,
+                name,
+                partial.output_shape,
+                lambda flat: dict(partial.shards_of_output(flat)),
+            )
+        else:
+            store = make_store(
+                storage,
+                dtype=spec.dtype,
+                directory=directory,
+                name=name,
+                buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
+            )
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 
         async def send(address: str, batch: list[Packed]) -> None:

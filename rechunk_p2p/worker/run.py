@@ -18,6 +18,7 @@ from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
+from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
 from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.wire import (
@@ -135,7 +136,7 @@ class WorkerRun:
         self,
         run_spec: RunSpec,
         worker_address: str,
-        store: ShardStore,
+        store: ShardStore | AssemblingMemoryStore,
         storage: str,
         dataplane: DataPlane,
         offload: OffloadPool,
@@ -166,6 +167,8 @@ class WorkerRun:
         self._assembling: set[int] = set()
         self._recent: OrderedDict[int, np.ndarray] = OrderedDict()
         self._recent_outputs = recent_outputs
+        # the store copies shards into their outputs as they come (it keeps no views)
+        self._assembles = isinstance(store, AssemblingMemoryStore)
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -283,7 +286,7 @@ class WorkerRun:
                 packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
                 remote[run_spec.dataplanes[position]] = packed
                 continue
-            if len(chosen) < len(blocks):
+            if len(chosen) < len(blocks) and not self._assembles:
                 # the store keeps it (memory, or the disk store's write buffer): do not pin
                 # the whole copy
                 part = part.copy()
@@ -304,7 +307,7 @@ class WorkerRun:
         me: int,
     ) -> tuple[list[Shard], dict[str, Packed]]:
         """:meth:`_cut_blocking` shard by shard (irregular cuts, object dtype)."""
-        copy_local = self.storage == "memory"
+        copy_local = self.storage == "memory" and not self._assembles
         local: list[Shard] = []
         remote: defaultdict[str, list[Shard]] = defaultdict(list)
         for out, position, piece in zip(
@@ -365,22 +368,13 @@ class WorkerRun:
         start = time.perf_counter()
         spec = self.run_spec.spec
         partial = spec.partial
-        stacked = self._stacked_inputs(flat)
-        if stacked is not None:  # the output is its shards one after another
-            out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
-            received = self._store.read_stacked_blocking(flat, out, stacked)
-            complete = received == stacked
-        else:
-            placement = dict(partial.shards_of_output(flat))
-            if spec.unknown_axes:
-                out, received = self._read_unknown_blocking(flat, placement)
-            else:
+        if isinstance(self._store, AssemblingMemoryStore):  # filled as its shards came
+            out, missing = self._store.take_output_blocking(flat)
+            if out is None:
                 out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
-                received = self._store.read_into_blocking(flat, out, placement)
-            complete = len(received) == len(placement) and set(received) == set(placement)
-        if not complete:
-            placement = dict(partial.shards_of_output(flat))
-            missing = sorted(set(placement) - set(received))
+        else:
+            out, missing = self._read_output_blocking(flat)
+        if missing:
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
                 f"(run {self.run_id}) on {self.worker_address} is missing shards from "
@@ -390,6 +384,35 @@ class WorkerRun:
             self._outputs += 1
             self._seconds["assemble"] += time.perf_counter() - start
         return out
+
+    def _read_output_blocking(self, flat: int) -> tuple[np.ndarray, list[int]]:
+        """Output ``flat`` read from a store that keeps shards, and the inputs it lacks."""
+        spec = self.run_spec.spec
+        partial = spec.partial
+        stacked = self._stacked_inputs(flat)
+        if stacked is not None:  # the output is its shards one after another
+            out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+            received = self._store.read_stacked_blocking(flat, out, stacked)
+            if received == stacked:
+                return out, []
+        else:
+            placement = dict(partial.shards_of_output(flat))
+            if spec.unknown_axes:
+                out, received = self._read_unknown_blocking(flat, placement)
+            else:
+                out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+                received = self._store.read_into_blocking(flat, out, placement)
+            if len(received) == len(placement) and set(received) == set(placement):
+                return out, []
+        placement = dict(partial.shards_of_output(flat))
+        extra = sorted(set(received) - set(placement))
+        if extra:
+            raise RechunkRunError(
+                f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} got "
+                f"shards from input chunks {[partial.input_index(i) for i in extra][:10]}, "
+                "which have no piece of it"
+            )
+        return out, sorted(set(placement) - set(received))
 
     def _stacked_inputs(self, flat: int) -> list[int] | None:
         """The inputs of output ``flat`` in memory order, if the store can lay them one after

@@ -1,0 +1,202 @@
+"""A memory store that assembles each output chunk as its shards arrive.
+
+Where it runs: offload pool and task threads (blocking; never on the event loop).
+
+The plain :class:`~rechunk_p2p.buffers.memory.MemoryShardStore` keeps the arrays it is given
+until the output's task reads them. Those arrays are views of the buffers they came in (a
+received batch's payload, an input chunk's cut), and such a buffer holds shards of many
+outputs, so it is freed only when the last of them was read: a worker held every shard it
+received until its last output was assembled, and then the outputs too (twice its share of
+the data at the peak), and assembled every output after the barrier, one copy per shard on
+the task thread. This store copies each shard into its output chunk when it is written
+(allocated at its first shard), so a batch's buffer is free as soon as the batch is
+stored, the worker holds its share of the data once, and reading an output after the
+barrier only hands over the array.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+
+from rechunk_p2p.buffers.base import (
+    Shard,
+    ShardLedger,
+    StoreStatistics,
+    check_shard,
+    closed_error,
+    copy_into_blocking,
+)
+from rechunk_p2p.buffers.wire import Packed, unpack_blocking
+from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
+
+
+class _Output:
+    """**Guarded by the store's lock.** One output chunk being filled."""
+
+    __slots__ = ("array", "output", "placed", "placement", "shard_bytes", "writing")
+
+    def __init__(
+        self, output: int, array: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> None:
+        self.output = output
+        self.array = array
+        self.placement = placement
+        self.placed: set[int] = set()  # inputs whose shard was copied in
+        self.shard_bytes = 0
+        self.writing = 0  # copies into ``array`` in progress
+
+
+class AssemblingMemoryStore:
+    """**Thread-safe (guarded by `_lock`).** Copies each shard into its output chunk on write.
+
+    Shards of one output are copied outside the lock, from any number of threads (they fill
+    disjoint regions); :meth:`take_output_blocking` waits for copies into that output still
+    in progress. Not for object dtype, nor for axes of unknown chunk sizes (the output's
+    shape must be known before its first shard arrives).
+
+    Parameters
+    ----------
+    dtype
+        The dtype of every shard and output.
+    name
+        Names the store in error messages.
+    output_shape
+        The shape of output chunk ``flat``.
+    placement
+        Where each input's shard goes in output ``flat``: ``{input: slices of the output}``.
+    """
+
+    kind = "memory"
+
+    def __init__(
+        self,
+        dtype: np.dtype,
+        name: str,
+        output_shape: Callable[[int], tuple[int, ...]],
+        placement: Callable[[int], Mapping[int, tuple[slice, ...]]],
+    ) -> None:
+        self.dtype = np.dtype(dtype)
+        if self.dtype.hasobject:
+            raise RechunkTypeError(f"{type(self).__name__} cannot hold object dtype")
+        self.name = name
+        self._output_shape = output_shape
+        self._placement = placement
+        self._lock = threading.Condition()
+        self._closed = False
+        self._outputs: dict[int, _Output] = {}
+        self._held = 0  # bytes of output chunks allocated and not taken yet
+        self._ledger = ShardLedger()
+
+    def __repr__(self) -> str:
+        return f"<AssemblingMemoryStore {self.name!r} dtype={self.dtype}>"
+
+    def write_blocking(self, shards: Iterable[Shard]) -> int:
+        """Copy shards into their outputs, dropping ``(output, input)`` pairs stored before;
+        return the bytes accepted.
+
+        Raises
+        ------
+        RechunkTypeError
+            A shard is not an array of the store's dtype (nothing is stored).
+        RechunkRunError
+            The store is closed, or a shard is not a piece of its output or has the wrong
+            shape (the shards before it in the batch are stored).
+        """
+        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        todo: list[tuple[_Output, int, np.ndarray]] = []
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, "write shards")
+            for output, input_, array in batch:
+                if not self._ledger.admit(output, input_):
+                    continue
+                target = self._outputs.get(output)
+                if target is None:
+                    target = self._new_output(output)
+                target.writing += 1
+                todo.append((target, input_, array))
+        done = 0
+        try:
+            for target, input_, array in todo:
+                self._place_blocking(target, input_, array)
+                done += 1
+        finally:
+            accepted = 0
+            with self._lock:
+                for n, (target, input_, array) in enumerate(todo):
+                    target.writing -= 1
+                    if n < done:
+                        target.placed.add(input_)
+                        target.shard_bytes += array.nbytes
+                        accepted += array.nbytes
+                # the shards not copied may come again
+                self._ledger.forget((t.output, i) for t, i, _ in todo[done:])
+                self._ledger.stored(done, accepted)
+                self._lock.notify_all()
+        return accepted
+
+    def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
+        """Copy the shards of batches as they came off the wire into their outputs (the
+        batches' payloads are not kept)."""
+        return self.write_blocking(s for p in batch for s in unpack_blocking(p, self.dtype))
+
+    def take_output_blocking(self, output: int) -> tuple[np.ndarray | None, list[int]]:
+        """Hand over output chunk ``output`` and forget it: the array (``None`` if no shard
+        of it was written) and the inputs whose shards it lacks, sorted. Waits for copies
+        into it still in progress."""
+        with self._lock:
+            target = self._outputs.get(output)
+            while target is not None and target.writing and not self._closed:
+                self._lock.wait()
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            if target is None:
+                return None, sorted(self._placement(output))
+            del self._outputs[output]
+            self._held -= target.array.nbytes
+            self._ledger.read(target.shard_bytes)
+        missing = []
+        if len(target.placed) != len(target.placement):
+            missing = sorted(set(target.placement) - target.placed)
+        return target.array, missing
+
+    def close_blocking(self) -> None:
+        """Drop every output; idempotent."""
+        with self._lock:
+            self._closed = True
+            self._outputs.clear()
+            self._held = 0
+            self._ledger.clear()
+            self._lock.notify_all()
+
+    def statistics(self) -> StoreStatistics:
+        """Return a snapshot of the store's counters (in memory: the output chunks begun)."""
+        with self._lock:
+            return self._ledger.statistics(self.kind, outputs=len(self._outputs))
+
+    def _new_output(self, output: int) -> _Output:
+        """Allocate output ``output`` (under the lock)."""
+        array = np.empty(self._output_shape(output), dtype=self.dtype)
+        target = _Output(output, array, self._placement(output))
+        self._outputs[output] = target
+        self._held += array.nbytes
+        self._ledger.in_memory(self._held)
+        return target
+
+    def _place_blocking(self, target: _Output, input_: int, array: np.ndarray) -> None:
+        where = target.placement.get(input_)
+        if where is None:
+            raise RechunkRunError(
+                f"Store {self.name!r} got a shard of output {target.output} from input "
+                f"{input_}, which has no piece of that output"
+            )
+        region = target.array[(*where, Ellipsis)]
+        if region.shape != array.shape:
+            raise RechunkRunError(
+                f"Store {self.name!r} got a shard of shape {array.shape} for output "
+                f"{target.output} from input {input_}; its piece there has shape {region.shape}"
+            )
+        copy_into_blocking(region, array)

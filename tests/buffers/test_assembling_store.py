@@ -1,0 +1,195 @@
+"""The memory store that fills outputs as shards arrive: placement, duplicates, missing and
+wrong shards, concurrent writers, what it holds, and closing."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
+from rechunk_p2p.buffers.wire import cut_regular_blocking, pack_blocks
+from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
+from rechunk_p2p.planning.partials import Partial
+
+
+def _partial(shape: tuple[int, ...], old: tuple[int, ...], new: tuple[int, ...]) -> Partial:
+    from dask.array.core import normalize_chunks
+
+    n = len(shape)
+    return Partial(
+        (0,) * n, (0,) * n, (0,) * n, normalize_chunks(old, shape), normalize_chunks(new, shape)
+    )
+
+
+def _store(partial: Partial, dtype: str = "f8") -> AssemblingMemoryStore:
+    return AssemblingMemoryStore(
+        np.dtype(dtype),
+        "test",
+        partial.output_shape,
+        lambda flat: dict(partial.shards_of_output(flat)),
+    )
+
+
+def _shards(partial: Partial, data: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """Every shard of ``data`` (chunked as ``partial``'s inputs), as views of it."""
+    out = []
+    offsets = [np.cumsum((0, *c)) for c in partial.old_chunks]
+    for flat in range(partial.n_inputs):
+        index = partial.input_index(flat)
+        box = tuple(slice(o[i], o[i + 1]) for o, i in zip(offsets, index))
+        chunk = data[box]
+        out += [(o, flat, chunk[where]) for o, where in partial.shards_of_input(flat)]
+    return out
+
+
+def _expected(partial: Partial, data: np.ndarray, flat: int) -> np.ndarray:
+    offsets = [np.cumsum((0, *c)) for c in partial.new_chunks]
+    index = np.unravel_index(flat, partial.new_grid)
+    return data[tuple(slice(o[i], o[i + 1]) for o, i in zip(offsets, index))]
+
+
+@pytest.mark.parametrize(
+    ("shape", "old", "new", "dtype"),
+    [
+        ((16, 32, 32), (1, 32, 32), (16, 8, 8), "f4"),  # maps to time series
+        ((30, 30), (7, 30), (30, 4), "f8"),  # irregular edges
+        ((12, 10, 6), (5, 3, 6), (4, 10, 2), "i2"),  # strided regions
+        ((8, 8), (3, 8), (8, 3), "M8[ns]"),
+        ((6, 4), (2, 4), (6, 1), [("a", "i4"), ("b", "f8")]),
+    ],
+)
+def test_every_output_is_assembled_from_shards_in_any_order(shape, old, new, dtype) -> None:
+    partial = _partial(shape, old, new)
+    rng = np.random.default_rng(0)
+    data = np.zeros(shape, dtype=dtype)
+    data.view(np.uint8)[...] = rng.integers(0, 255, data.view(np.uint8).shape, dtype=np.uint8)
+    shards = _shards(partial, data)
+    rng.shuffle(shards)  # type: ignore[arg-type]
+    store = _store(partial, data.dtype)
+    half = len(shards) // 2
+    assert store.write_blocking(shards[:half]) == sum(a.nbytes for _, _, a in shards[:half])
+    store.write_blocking(shards[half:])
+    for flat in range(partial.n_outputs):
+        out, missing = store.take_output_blocking(flat)
+        assert missing == []
+        assert out.flags.c_contiguous and out.flags.writeable
+        assert out.dtype == data.dtype and out.tobytes() == _expected(partial, data, flat).tobytes()
+    stats = store.statistics()
+    assert stats.bytes_written == stats.bytes_read == data.nbytes and stats.bytes_buffered == 0
+    assert stats.outputs == 0 and stats.shards == len(shards)
+    store.close_blocking()
+
+
+def test_packed_batches_free_their_payload_once_stored() -> None:
+    partial = _partial((4, 64, 64), (1, 64, 64), (4, 16, 16))
+    data = np.arange(4 * 64 * 64, dtype="f4").reshape(4, 64, 64)
+    store = _store(partial, "f4")
+    payloads = []
+    for flat in range(partial.n_inputs):
+        indices, slices = partial.input_cuts(flat)
+        blocks = cut_regular_blocking(data[flat : flat + 1], slices)
+        packed = pack_blocks(partial.flat_outputs(indices), flat, blocks, np.dtype("f4"))
+        store.write_packed_blocking([packed])
+        payloads.append(packed.payload)
+    # nothing of the store refers to a payload: each could be freed (or reused) now
+    for p in payloads:
+        p[...] = 0
+    for flat in range(partial.n_outputs):
+        out, missing = store.take_output_blocking(flat)
+        assert missing == [] and np.array_equal(out, _expected(partial, data, flat))
+    store.close_blocking()
+
+
+def test_duplicates_missing_and_held_bytes() -> None:
+    partial = _partial((4, 6), (1, 6), (4, 3))
+    data = np.arange(24, dtype="f8").reshape(4, 6)
+    shards = _shards(partial, data)
+    store = _store(partial)
+    first = [s for s in shards if s[1] != 2]  # input 2 never comes
+    store.write_blocking(first)
+    assert store.write_blocking(first[:3]) == 0  # delivered again: dropped
+    stats = store.statistics()
+    assert stats.duplicates == 3 and stats.outputs == 2
+    assert stats.max_bytes_in_memory == data.nbytes  # both outputs allocated whole
+    out, missing = store.take_output_blocking(0)
+    assert missing == [2] and np.array_equal(out[[0, 1, 3]], data[[0, 1, 3], :3])
+    store.write_blocking([s for s in shards if s[:2] == (0, 2)])  # too late: a new output 0
+    assert store.take_output_blocking(0)[1] == [0, 1, 3]
+    store.close_blocking()
+    assert _store(partial).take_output_blocking(1) == (None, [0, 1, 2, 3])  # nothing came
+
+
+def test_wrong_shards_are_refused_and_may_come_again() -> None:
+    partial = _partial((4, 6), (2, 6), (4, 3))
+    store = _store(partial)
+    good = np.ones((2, 3))
+    with pytest.raises(RechunkRunError, match="shape"):
+        store.write_blocking([(0, 0, good), (0, 1, np.ones((1, 3)))])
+    with pytest.raises(RechunkRunError, match="no piece"):
+        store.write_blocking([(0, 7, good)])
+    with pytest.raises(RechunkTypeError):
+        store.write_blocking([(0, 1, good.astype("f4"))])
+    # the refused shard was not taken: it can be delivered right
+    assert store.write_blocking([(0, 1, 2 * good)]) == good.nbytes
+    out, missing = store.take_output_blocking(0)
+    assert missing == [] and out[:2].sum() == 6 and out[2:].sum() == 12
+    with pytest.raises(RechunkTypeError, match="object"):
+        AssemblingMemoryStore(np.dtype(object), "x", partial.output_shape, lambda f: {})
+    store.close_blocking()
+
+
+def test_take_waits_for_copies_in_progress_and_close_wakes_it(monkeypatch) -> None:
+    import rechunk_p2p.buffers.assembling as assembling
+
+    partial = _partial((2, 4), (1, 4), (2, 4))
+    store = _store(partial)
+    started, release = threading.Event(), threading.Event()
+    real = assembling.copy_into_blocking
+
+    def slow_copy(region, shard):
+        started.set()
+        release.wait(10)
+        real(region, shard)
+
+    monkeypatch.setattr(assembling, "copy_into_blocking", slow_copy)
+    writer = threading.Thread(target=store.write_blocking, args=([(0, 0, np.ones((1, 4)))],))
+    writer.start()
+    assert started.wait(10)
+    monkeypatch.setattr(assembling, "copy_into_blocking", real)
+    store.write_blocking([(0, 1, np.full((1, 4), 2.0))])
+    taken: list = []
+    reader = threading.Thread(target=lambda: taken.append(store.take_output_blocking(0)))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # the first copy is still running
+    release.set()
+    writer.join(10)
+    reader.join(10)
+    ((out, missing),) = taken
+    assert missing == [] and out.tolist() == [[1.0] * 4, [2.0] * 4]
+    store.close_blocking()
+    with pytest.raises(RechunkRunError, match="closed"):
+        store.take_output_blocking(0)
+    with pytest.raises(RechunkRunError, match="closed"):
+        store.write_blocking([(0, 0, np.ones((1, 4)))])
+
+
+def test_many_threads_fill_outputs_together() -> None:
+    partial = _partial((64, 16, 16), (1, 16, 16), (64, 4, 4))
+    data = np.random.default_rng(1).random((64, 16, 16))
+    shards = _shards(partial, data)
+    store = _store(partial)
+    threads = [
+        threading.Thread(target=store.write_blocking, args=(shards[i::8],)) for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for flat in range(partial.n_outputs):
+        out, missing = store.take_output_blocking(flat)
+        assert missing == [] and np.array_equal(out, _expected(partial, data, flat))
+    assert store.statistics().duplicates == 0
+    store.close_blocking()
