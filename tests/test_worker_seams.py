@@ -298,8 +298,10 @@ async def test_a_continued_run_rebuilds_only_the_moved_outputs(seam, tmp_path):
         before = sum(p.runs[SHUFFLE].statistics().bytes_received for p in (a, b))
         a._continue_handler(SHUFFLE, scheduler.run_spec, [])  # b has not heard of it yet
         assert a.runs[SHUFFLE].run_id == 2
-        # a's transfers send only the moved outputs' shards; b learns of run 2 from them
+        # a's transfers send only the moved outputs' shards (staged: tiny ones go at a's
+        # part of the barrier); b learns of run 2 from them
         assert await transfer_all([a]) == [2] * ROWS
+        await barrier_flush(a, 2)
         assert b.runs[SHUFFLE] is b_run and b_run.run_id == 2  # continued, not replaced
         assert await barrier(a, [2] * ROWS) == 2
         by_address = {p.worker.address: p for p in (a, b)}
@@ -357,7 +359,12 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
         if address == "dp-c":
             raise ConnectionRefusedError("injected: c was killed")
 
-    retries = {**FAST_RETRIES, "rechunk-p2p.comm.retry-count": 1}
+    # every input's shards are sent at once (not staged until a message's worth is there)
+    retries = {
+        **FAST_RETRIES,
+        "rechunk-p2p.comm.retry-count": 1,
+        "rechunk-p2p.comm.message-bytes-limit": 1,
+    }
     with dask.config.set(retries):
         async with seam(workers=THREE_WORKERS, columns=SIX) as (scheduler, network, plugins):
             network.fail = c_is_gone
@@ -371,11 +378,14 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
             # the others only for c's outputs, which moved
             lost = frozenset(range(2, ROWS, 3))
             scheduler.run_spec = dataclasses.replace(scheduler.run_spec, resend_all=lost)
-            before = sum(p.runs[SHUFFLE].statistics().bytes_received for p in survivors)
             for p in survivors:
                 p._continue_handler(SHUFFLE, scheduler.run_spec, [])
             await asyncio.sleep(0.01)  # the buffers forget c on their loop
             assert [p.runs[SHUFFLE]._comm.phase.value for p in survivors] == ["sending"] * 2
+            # what they kept for each other while failed is delivered now, not lost
+            while any(p.runs[SHUFFLE]._comm._drainers for p in survivors):
+                await asyncio.sleep(0.01)
+            before = sum(p.runs[SHUFFLE].statistics().bytes_received for p in survivors)
             assert await transfer_all(survivors) == [2] * ROWS
             assert await barrier(a, [2] * ROWS) == 2
             spec = scheduler.run_spec

@@ -9,9 +9,11 @@ the loop without waiting for it; the loop only queues, batches and awaits sends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import random
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
@@ -137,13 +139,26 @@ class CommBuffer:
         self._bytes_sent = 0
         self._messages = 0
         self._retries = 0
+        # shards put by task threads, staged until a message's worth is there (or until
+        # the barrier, a thread waits for room, or the buffer stops)
+        self._inbox: deque[tuple[str, Packed, int]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._inbox_bytes = 0
+        self._take_scheduled = False
+        self._hand_on_hook = self._hand_on_quietly
+        for limiter in self._limiters:
+            limiter.add_before_wait(self._hand_on_hook)
 
     def put_blocking(self, batches: dict[str, Packed]) -> None:
         """From a task thread: queue packed shards per destination.
 
         Holds their bytes under the run's and the worker's limits first, waiting only while
-        a buffer is full; then hands them to the loop without waiting for it (one
-        ``call_soon_threadsafe`` per destination).
+        a buffer is full; then stages them for the loop without waiting for it. The loop is
+        woken once a message's worth (``message_bytes``) is staged, not for every input
+        chunk: each wake-up costs the thread a self-pipe write and a wait for the GIL while
+        the loop runs, and a message per input chunk is many small sends. What is staged
+        also goes when a thread must wait for room (:meth:`ByteLimiter.add_before_wait`),
+        at the barrier (:meth:`flush`), and when the buffer stops.
         """
         for address, packed in batches.items():
             self._raise_if_unusable()
@@ -155,13 +170,45 @@ class CommBuffer:
                         f"{self._name}: the worker is closing; its sends are dropped"
                     )
                 # else a failure on a departed peer was forgotten meanwhile: wait again
-            try:
-                self._loop.call_soon_threadsafe(self._enqueue, address, packed, nbytes)
-            except RuntimeError:  # the data plane's loop is closed: the worker is going
+            with self._inbox_lock:
+                self._inbox.append((address, packed, nbytes))
+                self._inbox_bytes += nbytes
+                due = self._inbox_bytes >= self._message_bytes
+            # stopped meanwhile: the loop must still drop the shards and give their bytes back
+            if due or self._phase is not SendPhase.SENDING:
+                self._hand_on()
+
+    def _hand_on(self) -> None:
+        """From a thread: have the loop take the staged shards (one wake-up for all)."""
+        with self._inbox_lock:
+            if self._take_scheduled or not self._inbox:
+                return
+            self._take_scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._take_inbox)
+        except RuntimeError:  # the data plane's loop is closed: the worker is going
+            for _, _, nbytes in self._empty_inbox():
                 self._release(nbytes)
-                raise StaleRunError(
-                    f"{self._name}: the data plane stopped; its sends are dropped"
-                ) from None
+            raise StaleRunError(
+                f"{self._name}: the data plane stopped; its sends are dropped"
+            ) from None
+
+    def _hand_on_quietly(self) -> None:
+        with contextlib.suppress(StaleRunError):
+            self._hand_on()
+
+    def _empty_inbox(self) -> list[tuple[str, Packed, int]]:
+        with self._inbox_lock:
+            self._take_scheduled = False
+            items = list(self._inbox)
+            self._inbox.clear()
+            self._inbox_bytes = 0
+        return items
+
+    def _take_inbox(self) -> None:
+        """On the loop: queue what threads staged."""
+        for address, packed, nbytes in self._empty_inbox():
+            self._enqueue(address, packed, nbytes)
 
     def _acquire_blocking(self, nbytes: int) -> bool:
         """Hold ``nbytes`` under every limiter, in order; ``False``, holding nothing, when
@@ -185,14 +232,19 @@ class CommBuffer:
             limiter.release(nbytes)
 
     def _enqueue(self, address: str, packed: Packed, nbytes: int) -> None:
-        """On the loop: queue bytes a thread holds; dropped if sending stopped meanwhile."""
-        if self._phase is not SendPhase.SENDING or address in self._departed:
+        """On the loop: queue bytes a thread holds; dropped if the buffer closed or the peer
+        left meanwhile (kept, not sent, while the buffer is failed: see :meth:`forget`)."""
+        if self._phase is SendPhase.CLOSED or address in self._departed:
             self._release(nbytes)
             return
+        if self._phase is SendPhase.FAILED:  # kept, not held (see _set_phase)
+            self._release(nbytes)
+            nbytes = 0
         self._queues[address].append((packed, nbytes))
         self._bytes_queued += nbytes
         self._max_bytes_queued = max(self._max_bytes_queued, self._bytes_queued)
-        self._ensure_drainer(address)
+        if self._phase is SendPhase.SENDING:
+            self._ensure_drainer(address)
 
     @property
     def phase(self) -> SendPhase:
@@ -203,6 +255,15 @@ class CommBuffer:
             raise RechunkRunError(f"{self._name}: send buffer cannot go {self._phase} -> {phase}")
         if phase is SendPhase.FAILED:
             self._exception = error
+            # shards queued for the other peers are kept (the failure may be forgotten: see
+            # forget) but no longer held under the limits, which threads of other runs wait
+            # on; they are sent, or dropped when the buffer closes
+            for queue in self._queues.values():
+                held = sum(nbytes for _, nbytes in queue)
+                for i, (packed, _) in enumerate(queue):
+                    queue[i] = (packed, 0)
+                self._bytes_queued -= held
+                self._release(held)
         elif phase is SendPhase.SENDING:
             self._exception = self._failed_on = None
         self._phase = phase
@@ -246,7 +307,9 @@ class CommBuffer:
         finally:
             if self._drainers.get(address) is asyncio.current_task():
                 del self._drainers[address]  # (forget and close take it out themselves)
-            if self._phase is not SendPhase.SENDING:
+            # failed: the other peers' shards wait (the failure may be forgotten, see
+            # forget); closed: dropped
+            if self._phase is SendPhase.CLOSED:
                 self._drop(queue)
             if not self._drainers:
                 self._idle.set()
@@ -296,6 +359,7 @@ class CommBuffer:
     async def flush(self) -> None:
         """Wait until everything queued was delivered; raise the first send error, if any,
         and :class:`StaleRunError` if the buffer was closed meanwhile (its queue dropped)."""
+        self._take_inbox()
         while self._drainers:
             await self._idle.wait()
         self._raise_if_unusable()
@@ -305,6 +369,7 @@ class CommBuffer:
         drop what is put for them later. A failure to reach one of them is forgotten too
         (the run goes on without them; their shards are sent to other workers instead)."""
         self._departed |= addresses
+        self._take_inbox()  # (theirs are dropped as they are queued)
         for address in addresses:
             # a drainer cancelled before it started never runs its finally: take it out here
             # (one that started gives its in-flight batch's bytes back as it stops)
@@ -316,10 +381,15 @@ class CommBuffer:
             self._idle.set()
         if self._phase is SendPhase.FAILED and self._failed_on in addresses:
             self._set_phase(SendPhase.SENDING)
+            for address in list(self._queues):  # what waited for the others goes now
+                self._ensure_drainer(address)
 
     async def close(self) -> None:
         """Stop sending, drop what is queued and give its bytes back to the limiter."""
         self._set_phase(SendPhase.CLOSED)
+        for limiter in self._limiters:
+            limiter.remove_before_wait(self._hand_on_hook)
+        self._take_inbox()  # dropped, their bytes given back
         drainers = list(self._drainers.values())
         self._drainers.clear()  # (those cancelled before they started never clear themselves)
         for task in drainers:
@@ -334,7 +404,7 @@ class CommBuffer:
             self._bytes_sent,
             self._messages,
             self._retries,
-            self._bytes_queued,
+            self._bytes_queued + self._inbox_bytes,
             self._max_bytes_queued,
             self._send_seconds,
         )

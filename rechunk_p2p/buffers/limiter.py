@@ -48,6 +48,21 @@ class ByteLimiter:
         self._used = 0
         self._max_used = 0
         self._waits = 0
+        self._before_wait: list[Callable[[], None]] = []
+
+    def add_before_wait(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` (from the waiting thread, without the lock) whenever a caller is
+        about to wait for room: a holder of bytes that are not on their way to being
+        released (shards staged until more come) hands them on, so waiting cannot
+        deadlock on them."""
+        with self._lock:
+            self._before_wait.append(hook)
+
+    def remove_before_wait(self, hook: Callable[[], None]) -> None:
+        """Stop calling ``hook``; a hook not added is ignored."""
+        with self._lock:
+            if hook in self._before_wait:
+                self._before_wait.remove(hook)
 
     @property
     def used(self) -> int:
@@ -64,15 +79,27 @@ class ByteLimiter:
         (checked at least every 0.1 s, and whenever bytes are released).
         """
         with self._lock:
-            if not self._fits(nbytes):
-                self._waits += 1
-                while not self._fits(nbytes):
+            if self._fits(nbytes):
+                self._hold(nbytes)
+                return True
+            self._waits += 1
+        while True:
+            with self._lock:
+                hooks = list(self._before_wait)
+            for hook in hooks:  # again after every wake-up: bytes staged meanwhile too
+                hook()
+            with self._lock:
+                if not self._fits(nbytes):
                     if stop is not None and stop():
                         return False
                     self._freed.wait(_STOP_POLL)
-            self._used += nbytes
-            self._max_used = max(self._max_used, self._used)
-            return True
+                if self._fits(nbytes):
+                    self._hold(nbytes)
+                    return True
+
+    def _hold(self, nbytes: int) -> None:
+        self._used += nbytes
+        self._max_used = max(self._max_used, self._used)
 
     def release(self, nbytes: int) -> None:
         """Give back ``nbytes`` and wake waiters. Never blocks beyond the lock."""

@@ -334,3 +334,83 @@ def test_a_put_after_the_sending_loop_closed_fails_as_stale_and_holds_nothing():
 
 async def _make_on(loop, limiter):
     return CommBuffer(Recorder(), limiter, asyncio.Semaphore(1), 100, NO_RETRY_DELAY, loop=loop)
+
+
+@gen_test()
+async def test_shards_are_staged_until_a_message_worth_and_go_at_the_barrier():
+    send = Recorder()
+    comm, limiter = make(send, message_bytes=1000)  # ten 100-byte shards
+    await put_all(comm, {"a": [shard(0, i) for i in range(9)]})
+    await asyncio.sleep(0.05)
+    assert send.batches == [] and comm.statistics().bytes_queued == 900  # staged, held
+    assert limiter.used == 900
+    await put_all(comm, {"a": [shard(0, 9)]})  # the tenth: a message's worth, one wake-up
+    while not send.batches:
+        await asyncio.sleep(0.01)
+    await put_all(comm, {"a": [shard(0, 10)]})
+    await asyncio.sleep(0.05)
+    assert [len(b) for _, b in send.batches] == [10]  # one message of ten, the 11th waits
+    await comm.flush()  # the barrier takes what is staged
+    assert [len(b) for _, b in send.batches] == [10, 1] and limiter.used == 0
+
+
+@gen_test()
+async def test_a_thread_waiting_for_room_hands_on_what_any_buffer_staged():
+    send = Recorder()
+    limiter = ByteLimiter(500)
+    one, other = (
+        CommBuffer(send, limiter, asyncio.Semaphore(2), 10_000, NO_RETRY_DELAY) for _ in "12"
+    )
+    await put_all(one, {"a": [shard(0, i) for i in range(5)]})  # the limit, all staged
+    assert limiter.used == 500 and send.batches == []
+    # the other run's put must wait for room: the staged shards go, their bytes come back
+    await asyncio.wait_for(put_all(other, {"b": [shard(1, 0)]}), 5)
+    assert sorted(a for a, _ in send.batches) == ["a"]
+    await other.flush()
+    await one.flush()
+    assert limiter.used == 0 and len([p for _, b in send.batches for p in b]) == 6
+    await one.close()
+    await other.close()
+    # closed buffers are no longer asked to hand on
+    assert limiter._before_wait == []
+
+
+@gen_test()
+async def test_a_failure_keeps_the_other_peers_shards_unheld_and_forgetting_sends_them():
+    delivered: list[int] = []
+    failed = asyncio.Event()
+
+    async def send(address: str, batch: list) -> None:
+        if address == "gone":
+            failed.set()
+            raise ValueError("injected: gone for good")  # permanent: not retried
+        await failed.wait()  # b's sends are still queued when the buffer fails
+        delivered.extend(p.inputs[0] for p in batch)
+
+    comm, limiter = make(send, concurrency=1, message_bytes=100)  # every shard due at once
+    await put_all(comm, {"gone": [shard(0, 0)], "b": [shard(1, i) for i in range(4)]})
+    with pytest.raises(ValueError, match="gone for good"):
+        await comm.flush()
+    assert limiter.used == 0  # nothing held while failed: other runs' threads go on
+    assert len(delivered) < 4
+    comm.forget({"gone"})  # the run goes on without it: what waited for b goes now
+    await comm.flush()
+    assert sorted(delivered) == [0, 1, 2, 3] and limiter.used == 0
+
+
+@gen_test()
+async def test_close_drops_what_is_staged_and_a_put_racing_it_holds_nothing():
+    send = Recorder()
+    comm, limiter = make(send, message_bytes=10_000)
+    await put_all(comm, {"a": [shard(0, i) for i in range(3)]})
+    assert limiter.used == 300
+    await comm.close()
+    assert limiter.used == 0 and send.batches == []
+    # a thread that held its bytes before the close and stages after it
+    assert limiter.acquire_blocking(100)
+    with comm._inbox_lock:
+        comm._inbox.append(("a", shard(0, 9), 100))
+        comm._inbox_bytes += 100
+    comm._hand_on()
+    await asyncio.sleep(0.05)
+    assert limiter.used == 0 and send.batches == []
