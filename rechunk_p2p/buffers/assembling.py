@@ -28,6 +28,7 @@ from rechunk_p2p.buffers.base import (
     check_shard,
     closed_error,
     copy_into_blocking,
+    touch_pages_blocking,
 )
 from rechunk_p2p.buffers.wire import Packed, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
@@ -180,6 +181,7 @@ class AssemblingMemoryStore:
     def _new_output(self, output: int) -> _Output:
         """Allocate output ``output`` (under the lock)."""
         array = np.empty(self._output_shape(output), dtype=self.dtype)
+        touch_pages_blocking(array)
         target = _Output(output, array, self._placement(output))
         self._outputs[output] = target
         self._held += array.nbytes

@@ -193,3 +193,19 @@ def test_many_threads_fill_outputs_together() -> None:
         assert missing == [] and np.array_equal(out, _expected(partial, data, flat))
     assert store.statistics().duplicates == 0
     store.close_blocking()
+
+
+def test_new_outputs_have_their_pages_touched_outside_the_gil() -> None:
+    import mmap
+
+    from rechunk_p2p.buffers.base import touch_pages_blocking
+
+    big = np.empty(64 * mmap.PAGESIZE // 8)
+    big.view(np.uint8)[...] = 0xAB
+    touch_pages_blocking(big)
+    first_bytes = big.view(np.uint8)[:: mmap.PAGESIZE]
+    assert len(first_bytes) == 64 and not first_bytes.any()  # one byte of every page
+    assert (big.view(np.uint8) != 0).sum() == big.nbytes - 64
+    small = np.full(4, 7.0)
+    touch_pages_blocking(small)  # a few pages: not worth a pass
+    assert (small == 7.0).all()

@@ -378,9 +378,10 @@ async def test_a_thread_waiting_for_room_hands_on_what_any_buffer_staged():
 @gen_test()
 async def test_a_failure_keeps_the_other_peers_shards_unheld_and_forgetting_sends_them():
     delivered: list[int] = []
-    failed = asyncio.Event()
+    go, failed = asyncio.Event(), asyncio.Event()
 
     async def send(address: str, batch: list) -> None:
+        await go.wait()  # every shard is queued first
         if address == "gone":
             failed.set()
             raise ValueError("injected: gone for good")  # permanent: not retried
@@ -389,6 +390,7 @@ async def test_a_failure_keeps_the_other_peers_shards_unheld_and_forgetting_send
 
     comm, limiter = make(send, concurrency=1, message_bytes=100)  # every shard due at once
     await put_all(comm, {"gone": [shard(0, 0)], "b": [shard(1, i) for i in range(4)]})
+    go.set()
     with pytest.raises(ValueError, match="gone for good"):
         await comm.flush()
     assert limiter.used == 0  # nothing held while failed: other runs' threads go on
