@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import SchedulerPlugin
+from distributed.comm import CommClosedError
 from distributed.core import error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 
 #: Stimulus of the transitions that re-run stale transfers (the run stays open through them)
 _STALE_STIMULUS = "rechunk-p2p-stale-"
+#: Attempts of a barrier's request to one worker whose connection broke meanwhile.
+BARRIER_ATTEMPTS = 5
+#: A request's connection closed, aborted or refused under it (not an error the worker's
+#: handler raised, which comes back with its own type, ``OSError``s included).
+BROKEN_CONNECTION = (CommClosedError, ConnectionError)
 
 # States of a barrier task whose transfers may still need a run
 _BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})
@@ -217,7 +223,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             return {"status": "OK", "restarted": True}
         msg = {"op": "rechunk_p2p_worker_barrier", "shuffle_id": shuffle_id, "run_id": current}
         targets = [w for w in run.participants if w in self.scheduler.workers]
-        results = await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
+        results = await self._broadcast_retrying(msg, targets, run, current)
         if self.active.get(shuffle_id) is not run or run.run_spec.run_id != current:
             return {"status": "OK", "restarted": True}  # continued or replaced meanwhile
         for worker, result in results.items():
@@ -242,6 +248,33 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 )
                 return error_message(result)  # the worker's error, with its own type
         return {"status": "OK", "run_id": current}
+
+    async def _broadcast_retrying(
+        self, msg: dict, targets: list[str], run: SchedulerRun, run_id: RunId
+    ) -> dict[str, Any]:
+        """``scheduler.broadcast`` of a barrier, sent again to a worker whose connection
+        broke (:data:`BROKEN_CONNECTION`: closed or aborted under it) while it is still in the
+        cluster and the run unchanged; a worker's part of the barrier (flushing its sends)
+        can be asked for twice. Up to :data:`BARRIER_ATTEMPTS` attempts."""
+        results: dict[str, Any] = {}
+        for attempt in range(BARRIER_ATTEMPTS):
+            results |= await self.scheduler.broadcast(msg=msg, workers=targets, on_error="return")
+            targets = [
+                w
+                for w, r in results.items()
+                if isinstance(r, BROKEN_CONNECTION) and w in self.scheduler.workers
+            ]
+            unchanged = self.active.get(run.run_spec.shuffle_id) is run
+            if not targets or not unchanged or run.run_spec.run_id != run_id:
+                break
+            logger.info(
+                "Barrier of rechunk %s (run %s): connection to %s broke; asking again",
+                run.run_spec.shuffle_id,
+                run_id,
+                targets,
+            )
+            await asyncio.sleep(0.05 * 2**attempt)
+        return results
 
     def _rerun_stale(
         self, shuffle_id: ShuffleId, run: SchedulerRun | None, stale: list[int]

@@ -15,7 +15,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed.security import Security
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import gen_cluster, gen_test
 
 import rechunk_p2p
 from rechunk_p2p.spec import METADATA_KEY
@@ -80,3 +80,63 @@ async def test_tls_cluster(c, s, a, b):
     arr = np.arange(30 * 30).reshape(30, 30)
     check_result(await c.compute(rechunk_p2p.rechunk(da.from_array(arr, (1, 30)), (30, 1))), arr)
     await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_a_barrier_request_whose_connection_broke_is_sent_again(c, s, a, b):
+    """A worker's comms aborted under the scheduler's barrier request (distributed's
+    test_close_connections does this at random): asked again, not a failed rechunk."""
+    from distributed.comm.core import CommClosedError
+
+    await rechunk_p2p.register(c)
+    real, broken = s.broadcast, []
+
+    async def breaks_once(**kwargs):
+        results = await real(**kwargs)
+        if kwargs["msg"].get("op") == "rechunk_p2p_worker_barrier" and not broken:
+            broken.append(b.address)  # as if b's connection was aborted mid-request
+            results[b.address] = CommClosedError("injected: aborted")
+        return results
+
+    s.broadcast = breaks_once
+    arr = np.arange(40 * 40).reshape(40, 40)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 40)), (40, 1))
+    check_result(await c.compute(y), arr)
+    assert broken == [b.address]
+    del y
+    await assert_clean(s, a, b)
+
+
+@gen_test()
+async def test_requests_to_the_scheduler_are_sent_again_on_a_broken_connection(monkeypatch):
+    from types import SimpleNamespace
+
+    from distributed.comm.core import CommClosedError
+    from distributed.core import Status
+
+    from rechunk_p2p.worker import plugin
+
+    calls = []
+
+    async def flaky(**kwargs):
+        calls.append(kwargs)
+        if len(calls) < 3:
+            raise CommClosedError("injected: aborted")
+        return {"status": "OK", "worker": kwargs["worker"]}
+
+    worker = SimpleNamespace(
+        scheduler=SimpleNamespace(op=flaky), status=Status.running, address="tcp://w:1"
+    )
+    reply = await plugin.scheduler_rpc(worker, "op", worker="w")
+    assert reply == {"status": "OK", "worker": "w"} and len(calls) == 3
+    # it gives up after RPC_RETRY_SECONDS, and at once on a closing worker
+    calls.clear()
+    monkeypatch.setattr(plugin, "RPC_RETRY_SECONDS", 0.0)
+    with pytest.raises(CommClosedError):
+        await plugin.scheduler_rpc(worker, "op", worker="w")
+    assert len(calls) == 1
+    worker.status, calls[:] = Status.closing, []
+    monkeypatch.setattr(plugin, "RPC_RETRY_SECONDS", 30.0)
+    with pytest.raises(CommClosedError):
+        await plugin.scheduler_rpc(worker, "op", worker="w")
+    assert len(calls) == 1

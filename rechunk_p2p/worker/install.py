@@ -19,6 +19,7 @@ from rechunk_p2p.worker.plugin import (
     INSTALL_TIMEOUT,
     RechunkWorkerPlugin,
     get_plugin,
+    scheduler_rpc,
     worker_closing,
 )
 
@@ -43,8 +44,12 @@ async def _install(worker: Any) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + INSTALL_TIMEOUT
     try:
-        await worker.scheduler.register_scheduler_plugin(
-            plugin=dumps(RechunkSchedulerPlugin()), name=PLUGIN_NAME, idempotent=True
+        await scheduler_rpc(
+            worker,
+            "register_scheduler_plugin",
+            plugin=dumps(RechunkSchedulerPlugin()),
+            name=PLUGIN_NAME,
+            idempotent=True,
         )
     except Exception as e:
         raise ClusterError(

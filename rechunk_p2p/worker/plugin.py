@@ -21,6 +21,7 @@ from typing import Any
 
 from dask.utils import parse_timedelta
 from distributed import Reschedule, WorkerPlugin
+from distributed.comm import CommClosedError
 from distributed.core import clean_exception
 from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
@@ -50,6 +51,11 @@ logger = logging.getLogger(__name__)
 _CLOSED_IDS_KEPT = 10_000
 #: How long a task waits for the plugins to arrive when it installs them itself.
 INSTALL_TIMEOUT = 60.0
+#: How long a request to the scheduler is sent again while its connection keeps breaking.
+RPC_RETRY_SECONDS = 30.0
+#: A request's connection closed, aborted or refused under it (not an error the other side
+#: raised, which distributed re-raises with its own type, ``OSError``s included).
+BROKEN_CONNECTION = (CommClosedError, ConnectionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +177,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
         return await asyncio.shield(self._fetching[shuffle_id])
 
     async def _fetch(self, shuffle_id: ShuffleId) -> WorkerRun:
-        response = await self.worker.scheduler.rechunk_p2p_get_or_create(
-            shuffle_id=shuffle_id, worker=self.worker.address
+        response = await scheduler_rpc(
+            self.worker,
+            "rechunk_p2p_get_or_create",
+            shuffle_id=shuffle_id,
+            worker=self.worker.address,
         )
         run_spec: RunSpec = _checked(response)["run_spec"]
         with self._lock:
@@ -388,8 +397,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         return response["run_id"]
 
     async def _barrier(self, shuffle_id: ShuffleId, run_ids: list[RunId]) -> dict:
-        response = await self.worker.scheduler.rechunk_p2p_barrier(
-            shuffle_id=shuffle_id, run_ids=run_ids
+        response = await scheduler_rpc(
+            self.worker, "rechunk_p2p_barrier", shuffle_id=shuffle_id, run_ids=run_ids
         )
         return _checked(response)
 
@@ -526,6 +535,25 @@ def _checked(response: dict) -> dict:
         assert exc is not None
         raise exc.with_traceback(tb)
     return response
+
+
+async def scheduler_rpc(worker: Any, op: str, /, **kwargs: Any) -> Any:
+    """On the worker loop: ``worker.scheduler.<op>(**kwargs)``, sent again when the
+    connection broke under it (:data:`BROKEN_CONNECTION`), with backoff, for
+    up to :data:`RPC_RETRY_SECONDS` and while the worker is not closing. Only for requests
+    the scheduler can take twice (getting a run, a barrier, installing the plugin)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RPC_RETRY_SECONDS
+    delay = 0.05
+    while True:
+        try:
+            return await getattr(worker.scheduler, op)(**kwargs)
+        except BROKEN_CONNECTION:
+            if loop.time() > deadline or worker_closing(worker):
+                raise
+            logger.info("Request %s to the scheduler failed on a broken connection; again", op)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
 
 def worker_closing(worker: Any) -> bool:
