@@ -115,7 +115,8 @@ class WorkerRun:
     worker_address
         This worker.
     store
-        Where shards for this worker's outputs wait until assembly.
+        Where shards for this worker's outputs wait until assembly (an
+        :class:`AssemblingMemoryStore` assembles them as they come).
     storage
         The store's kind, for diagnostics.
     dataplane
