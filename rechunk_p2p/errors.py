@@ -7,6 +7,8 @@ Where it runs: pure. Every error raised by the library derives from
 
 from __future__ import annotations
 
+from distributed.comm import CommClosedError
+
 
 class RechunkP2PError(Exception):
     """Root of every error raised by rechunk_p2p."""
@@ -43,3 +45,9 @@ class OutputConsumedError(StaleRunError):
 
 class ClusterError(RechunkP2PError, RuntimeError):
     """The cluster cannot run a P2P rechunk (no client, unreachable scheduler, no workers)."""
+
+
+#: A request's connection closed, aborted or refused under it: worth sending again. Not an
+#: error the other side raised, which distributed re-raises with its own type (``OSError``s
+#: such as ``PermissionError`` included).
+BROKEN_CONNECTION = (CommClosedError, ConnectionError)

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import SchedulerPlugin
-from distributed.comm import CommClosedError
 from distributed.core import error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
-from rechunk_p2p.errors import ClusterError, StaleRunError
+from rechunk_p2p.errors import BROKEN_CONNECTION, ClusterError, StaleRunError
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
@@ -37,9 +36,6 @@ logger = logging.getLogger(__name__)
 _STALE_STIMULUS = "rechunk-p2p-stale-"
 #: Attempts of a barrier's request to one worker whose connection broke meanwhile.
 BARRIER_ATTEMPTS = 5
-#: A request's connection closed, aborted or refused under it (not an error the worker's
-#: handler raised, which comes back with its own type, ``OSError``s included).
-BROKEN_CONNECTION = (CommClosedError, ConnectionError)
 
 # States of a barrier task whose transfers may still need a run
 _BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})

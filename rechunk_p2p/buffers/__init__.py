@@ -8,15 +8,18 @@ store imports it, and this package picks a store by kind (:func:`make_store`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
 from rechunk_p2p.buffers.base import STORE_KINDS, Shard, ShardStore, StoreKind, StoreStatistics
 from rechunk_p2p.buffers.disk import DiskShardStore
 from rechunk_p2p.buffers.memory import MemoryShardStore
 from rechunk_p2p.errors import RechunkInputError
 
 __all__ = [
+    "AssemblingMemoryStore",
     "DiskShardStore",
     "MemoryShardStore",
     "Shard",
@@ -33,7 +36,9 @@ def make_store(
     directory: str | os.PathLike[str] | None,
     name: str,
     buffer_bytes: int = 0,
-) -> ShardStore:
+    output_shape: Callable[[int], tuple[int, ...]] | None = None,
+    placement: Callable[[int], Mapping[int, tuple[slice, ...]]] | None = None,
+) -> ShardStore | AssemblingMemoryStore:
     """Create an empty shard store.
 
     Parameters
@@ -53,6 +58,11 @@ def make_store(
     buffer_bytes
         For ``"disk"``: bytes of shards gathered before a write (see
         :class:`DiskShardStore`). Ignored for ``"memory"``.
+    output_shape, placement
+        For ``"memory"``: each output chunk's shape and where each input's shard goes in it
+        (``{input: slices}``). Given (and the dtype not object), the store fills outputs as
+        shards arrive (:class:`AssemblingMemoryStore`); else it keeps the shards
+        (:class:`MemoryShardStore`, for outputs whose shape is not known in advance).
 
     Examples
     --------
@@ -65,6 +75,8 @@ def make_store(
     >>> store.close_blocking()
     """
     if kind == "memory":
+        if output_shape is not None and placement is not None and not dtype.hasobject:
+            return AssemblingMemoryStore(dtype, name, output_shape, placement)
         return MemoryShardStore(dtype, name)
     if kind == "disk":
         return DiskShardStore(dtype, directory, name, buffer_bytes)

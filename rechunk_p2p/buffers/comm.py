@@ -145,9 +145,8 @@ class CommBuffer:
         self._inbox_lock = threading.Lock()
         self._inbox_bytes = 0
         self._take_scheduled = False
-        self._hand_on_hook = self._hand_on_quietly
         for limiter in self._limiters:
-            limiter.add_before_wait(self._hand_on_hook)
+            limiter.add_before_wait(self._hand_on_quietly)
 
     def put_blocking(self, batches: dict[str, Packed]) -> None:
         """From a task thread: queue packed shards per destination.
@@ -388,7 +387,7 @@ class CommBuffer:
         """Stop sending, drop what is queued and give its bytes back to the limiter."""
         self._set_phase(SendPhase.CLOSED)
         for limiter in self._limiters:
-            limiter.remove_before_wait(self._hand_on_hook)
+            limiter.remove_before_wait(self._hand_on_quietly)  # (bound methods compare equal)
         self._take_inbox()  # dropped, their bytes given back
         drainers = list(self._drainers.values())
         self._drainers.clear()  # (those cancelled before they started never clear themselves)

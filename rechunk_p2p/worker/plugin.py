@@ -21,19 +21,18 @@ from typing import Any
 
 from dask.utils import parse_timedelta
 from distributed import Reschedule, WorkerPlugin
-from distributed.comm import CommClosedError
 from distributed.core import clean_exception
 from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
-from rechunk_p2p.buffers import ShardStore, make_store
-from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
+from rechunk_p2p.buffers import make_store
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import (
+    BROKEN_CONNECTION,
     ClusterError,
     OutputConsumedError,
     RechunkP2PError,
@@ -53,9 +52,6 @@ _CLOSED_IDS_KEPT = 10_000
 INSTALL_TIMEOUT = 60.0
 #: How long a request to the scheduler is sent again while its connection keeps breaking.
 RPC_RETRY_SECONDS = 30.0
-#: A request's connection closed, aborted or refused under it (not an error the other side
-#: raised, which distributed re-raises with its own type, ``OSError``s included).
-BROKEN_CONNECTION = (CommClosedError, ConnectionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,24 +206,17 @@ class RechunkWorkerPlugin(WorkerPlugin):
         assert self.dataplane is not None and self.offload is not None
         storage = self._resolve_storage(run_spec)
         directory = os.path.join(self.worker.local_directory, ENGINE_DIRECTORY)
-        spec, name = run_spec.spec, f"{run_spec.shuffle_id}-run{run_spec.run_id}"
-        store: ShardStore | AssemblingMemoryStore
-        if storage == "memory" and not spec.unknown_axes and not spec.dtype.hasobject:
-            partial = spec.partial  # outputs are filled as their shards come
-            store = AssemblingMemoryStore(
-                spec.dtype,
-                name,
-                partial.output_shape,
-                lambda flat: dict(partial.shards_of_output(flat)),
-            )
-        else:
-            store = make_store(
-                storage,
-                dtype=spec.dtype,
-                directory=directory,
-                name=name,
-                buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
-            )
+        spec, partial = run_spec.spec, run_spec.spec.partial
+        known = not spec.unknown_axes  # outputs can be filled as their shards come
+        store = make_store(
+            storage,
+            dtype=spec.dtype,
+            directory=directory,
+            name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
+            buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
+            output_shape=partial.output_shape if known else None,
+            placement=(lambda flat: dict(partial.shards_of_output(flat))) if known else None,
+        )
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 
         async def send(address: str, batch: list[Packed]) -> None:
