@@ -123,6 +123,32 @@ async def test_a_run_through_the_seam_assembles_every_output(seam, tmp_path, sto
 
 
 @gen_test()
+async def test_one_thread_cutting_input_after_input_keeps_each_batch_it_has_not_sent(
+    seam, tmp_path
+):
+    # each worker cuts its inputs one after the other into one buffer of its own; the
+    # network holds every batch until all inputs are cut, so a batch that pointed into that
+    # buffer would carry the last input's values
+    async with seam() as (_, network, plugins):
+        network.hold = asyncio.Event()
+
+        def cut_all(plugin, inputs):
+            return [plugin.transfer_blocking(SHUFFLE, i, input_chunk(i)) for i in inputs]
+
+        n = len(plugins)
+        done = await asyncio.gather(
+            *(asyncio.to_thread(cut_all, p, range(k, ROWS, n)) for k, p in enumerate(plugins))
+        )
+        assert done == [[1] * (ROWS // n)] * n
+        runs = [p.runs[SHUFFLE] for p in plugins]
+        assert [len(r._scratch) for r in runs] == [1] * n  # one buffer, used again
+        network.hold.set()
+        assert await barrier(plugins[0], [1] * ROWS) == 1
+        assert [r._scratch for r in runs] == [[]] * n  # let go at the barrier
+        await assert_outputs(plugins)
+
+
+@gen_test()
 async def test_a_close_overtaking_the_run_reply_leaves_no_run(seam, tmp_path):
     async with seam("disk") as (scheduler, _, plugins):
         scheduler.gate = asyncio.Event()

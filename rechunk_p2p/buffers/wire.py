@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rechunk_p2p.buffers.base import Shard
-from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.errors import RechunkInputError, RechunkRunError
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,10 @@ def pack_blocking(shards: list[Shard], dtype: np.dtype) -> Packed:
 
 
 def cut_regular_blocking(
-    data: np.ndarray, slices: list[list[slice]], dtype: np.dtype | None = None
+    data: np.ndarray,
+    slices: list[list[slice]],
+    dtype: np.dtype | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """All shards of ``data`` in one copy, when its cuts are regular; else ``None``.
 
@@ -82,6 +85,11 @@ def cut_regular_blocking(
     the result has shape ``(n_shards, *shard_shape)``, shards in C order of the pieces, each
     C-contiguous, made by one strided copy instead of one copy (and one Python call) each,
     in ``dtype`` (default: ``data``'s; only a byte-order change is allowed).
+
+    ``out``, a C-contiguous ``uint8`` buffer of at least ``data.nbytes`` bytes, receives the
+    copy (the result is a view of it): a buffer used again for each input chunk costs no
+    new pages, where a new array of the chunk's size is fresh memory each time (distributed
+    has its workers return freed memory to the system at once).
 
     >>> cut_regular_blocking(np.arange(4), [[slice(0, 2), slice(2, 4)]]).tolist()
     [[0, 1], [2, 3]]
@@ -103,7 +111,15 @@ def cut_regular_blocking(
     ndim = data.ndim
     split = data.reshape([v for pair in zip(counts, lengths) for v in pair])
     order = [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]
-    blocks = np.empty([counts[a] for a in range(ndim)] + lengths, dtype=dtype)
+    shape = [counts[a] for a in range(ndim)] + lengths
+    if out is None:
+        blocks = np.empty(shape, dtype=dtype)
+    else:
+        if out.dtype != np.uint8 or out.ndim != 1 or out.nbytes < data.nbytes:
+            raise RechunkInputError(
+                f"out must be a 1-d uint8 buffer of at least {data.nbytes} bytes"
+            )
+        blocks = out[: data.nbytes].view(dtype).reshape(shape)
     np.copyto(blocks, split.transpose(order), casting="equiv")
     return blocks.reshape(-1, *lengths)
 

@@ -170,6 +170,10 @@ class WorkerRun:
         self._recent_outputs = recent_outputs
         # the store copies shards into their outputs as they come (it keeps no views)
         self._assembles = isinstance(store, AssemblingMemoryStore)
+        # buffers the task threads cut input chunks into, used again (see _cut_blocking)
+        self._scratch: list[np.ndarray] = []
+        self._scratch_taken = 0
+        self._scratch_most = 0
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -242,11 +246,16 @@ class WorkerRun:
                 f"{data.shape}, expected {expected}"
             )
         start = time.perf_counter()
-        local, remote = self._cut_blocking(run_spec, flat, data)
-        if isinstance(local, Packed):
-            nbytes = self._store.write_packed_blocking([local])
-        else:
-            nbytes = self._store.write_blocking(local) if local else 0
+        scratch = self._take_scratch(data.nbytes) if self._assembles else None
+        try:
+            local, remote = self._cut_blocking(run_spec, flat, data, scratch)
+            if isinstance(local, Packed):
+                nbytes = self._store.write_packed_blocking([local])
+            else:
+                nbytes = self._store.write_blocking(local) if local else 0
+        finally:
+            if scratch is not None:
+                self._give_scratch(scratch)
         cut = time.perf_counter()
         if remote:
             self._comm.put_blocking(remote)
@@ -258,7 +267,7 @@ class WorkerRun:
         return run_spec.run_id
 
     def _cut_blocking(
-        self, run_spec: RunSpec, flat: int, data: np.ndarray
+        self, run_spec: RunSpec, flat: int, data: np.ndarray, scratch: np.ndarray | None = None
     ) -> tuple[Packed | list[Shard], dict[str, Packed]]:
         """The shards of input ``flat`` that stay here, and one batch per other worker.
 
@@ -266,6 +275,11 @@ class WorkerRun:
         whole chunk at once: one strided copy lays every shard out contiguously, grouped by
         destination, and each batch's payload is a view of that copy. Other cuts are copied
         shard by shard.
+
+        With ``scratch`` (a buffer of this task thread's, used again for its next input;
+        only for a store that copies shards in when they are written) the strided copy goes
+        there: the local shards are views of it, and each other worker's batch is a copy of
+        its part, so only the bytes that leave the worker take new memory.
         """
         spec = run_spec.spec
         indices, slices = spec.partial.input_cuts(flat)
@@ -273,7 +287,7 @@ class WorkerRun:
         outputs = spec.partial.flat_outputs(indices)
         positions = run_spec.send_positions(flat, outputs)
         me = self._position_in(run_spec)
-        blocks = cut_regular_blocking(data, slices, spec.dtype)
+        blocks = cut_regular_blocking(data, slices, spec.dtype, out=scratch)
         if blocks is None:
             return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
         local: list[Shard] = []
@@ -284,6 +298,8 @@ class WorkerRun:
             lo, hi = int(chosen[0]), int(chosen[-1]) + 1
             part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
             if position != me:
+                if scratch is not None and np.may_share_memory(part, scratch):
+                    part = part.copy()  # scratch is used again: the batch needs its own bytes
                 packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
                 remote[run_spec.dataplanes[position]] = packed
                 continue
@@ -519,6 +535,30 @@ class WorkerRun:
                 f"{first} belongs to {owner}); refused"
             )
 
+    def _take_scratch(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` for one cut: the smallest free one that fits, or a
+        new one. Give it back with :meth:`_give_scratch`."""
+        with self._lock:
+            self._scratch_taken += 1
+            self._scratch_most = max(self._scratch_most, self._scratch_taken)
+            fits = [b for b in self._scratch if b.nbytes >= nbytes]
+            if fits:
+                buffer = min(fits, key=lambda b: b.nbytes)
+                self._scratch.remove(buffer)
+                return buffer
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _give_scratch(self, buffer: np.ndarray) -> None:
+        """Keep ``buffer`` for the next cut while inputs may still come; at most one per
+        thread that ever cut at the same time (the smallest go first)."""
+        with self._lock:
+            self._scratch_taken -= 1
+            if self._phase is not RunPhase.TRANSFERRING:
+                return
+            self._scratch.append(buffer)
+            while len(self._scratch) > self._scratch_most:
+                self._scratch.remove(min(self._scratch, key=lambda b: b.nbytes))
+
     # --- worker loop --------------------------------------------------------------------------
 
     async def pass_barrier(self) -> None:
@@ -526,6 +566,8 @@ class WorkerRun:
         self._raise_if_closed()
         await on_loop(self._dataplane.loop, self._comm.flush)
         self._set_phase(RunPhase.BARRIER_PASSED)
+        with self._lock:
+            self._scratch.clear()  # no more inputs
 
     async def close(self) -> bool:
         """Stop sending, free buffered shards and remove spill files.
@@ -540,6 +582,7 @@ class WorkerRun:
         with self._lock:
             self._kept.clear()
             self._recent.clear()
+            self._scratch.clear()
         try:
             await on_loop(self._dataplane.loop, self._comm.close)
         finally:

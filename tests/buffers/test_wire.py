@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rechunk_p2p.buffers.wire import Packed, pack_blocking, unpack_blocking
-from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.buffers.wire import Packed, cut_regular_blocking, pack_blocking, unpack_blocking
+from rechunk_p2p.errors import RechunkInputError, RechunkRunError
 
 DTYPES = [
     "f8",
@@ -109,3 +109,18 @@ def test_roundtrip_random_shapes(arrays):
     back = unpack_blocking(pack_blocking(shards, dtype), dtype)
     for (_, _, a), (_, _, b) in zip(shards, back):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_regular_cut_into_a_buffer_is_a_view_of_it_and_equals_a_fresh_cut():
+    data = np.arange(6 * 8, dtype=">i4").reshape(6, 8)  # a byte-order change too
+    slices = [[slice(0, 3), slice(3, 6)], [slice(0, 4), slice(4, 8)]]
+    buffer = np.full(data.nbytes + 16, 255, dtype=np.uint8)
+    blocks = cut_regular_blocking(data, slices, np.dtype("<i4"), out=buffer)
+    fresh = cut_regular_blocking(data, slices, np.dtype("<i4"))
+    assert blocks.dtype == np.dtype("<i4") and blocks.shape == (4, 3, 4)
+    np.testing.assert_array_equal(blocks, fresh)
+    np.testing.assert_array_equal(blocks[1], data[0:3, 4:8])
+    assert np.shares_memory(blocks, buffer)
+    assert (buffer[data.nbytes :] == 255).all()  # nothing written past the cut
+    with pytest.raises(RechunkInputError, match="at least 192 bytes"):
+        cut_regular_blocking(data, slices, out=np.empty(data.nbytes - 1, dtype=np.uint8))
