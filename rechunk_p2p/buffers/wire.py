@@ -138,6 +138,28 @@ def pack_blocks(
     return Packed(tuple(outputs.tolist()), (input_,) * n, (shape,) * n, payload)
 
 
+def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | None:
+    """``(input, blocks)`` when every shard of a batch comes from one input and has one
+    shape (a regular cut's batch, as :func:`pack_blocks` makes it): shard ``i`` is
+    ``blocks[i]``, all of them one view of the payload. ``None`` for any other batch.
+
+    Raises
+    ------
+    RechunkRunError
+        The payload's size does not match the shards' shapes.
+    """
+    n = len(packed.outputs)
+    if not n or dtype.hasobject:
+        return None
+    inputs, shapes = packed.inputs, packed.shapes
+    if inputs.count(inputs[0]) != n or shapes.count(shapes[0]) != n:
+        return None
+    need = n * int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize
+    if need != packed.nbytes:
+        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {need}")
+    return inputs[0], packed.payload.view(dtype).reshape(n, *shapes[0])
+
+
 def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
     """The shards of a packed batch, as arrays viewing its payload (no copy)."""
     if dtype.hasobject:

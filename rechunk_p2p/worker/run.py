@@ -291,7 +291,7 @@ class WorkerRun:
         if blocks is None:
             return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
         local: list[Shard] = []
-        spilled: Packed | None = None
+        here: Packed | None = None
         remote: dict[str, Packed] = {}
         for position in np.unique(positions[positions >= 0]).tolist():
             chosen = np.flatnonzero(positions == position)
@@ -307,11 +307,11 @@ class WorkerRun:
                 # the store keeps it (memory, or the disk store's write buffer): do not pin
                 # the whole copy
                 part = part.copy()
-            if self.storage == "memory":
+            if self.storage == "memory" and not self._assembles:
                 local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))
-            else:  # spilled as one batch, as a received one is
-                spilled = pack_blocks(outputs[chosen], flat, part, spec.dtype)
-        return (local if spilled is None else spilled), remote
+            else:  # stored as one batch, as a received one is
+                here = pack_blocks(outputs[chosen], flat, part, spec.dtype)
+        return (local if here is None else here), remote
 
     def _cut_each_blocking(
         self,

@@ -209,3 +209,65 @@ def test_new_outputs_have_their_pages_touched_outside_the_gil() -> None:
     small = np.full(4, 7.0)
     touch_pages_blocking(small)  # a few pages: not worth a pass
     assert (small == 7.0).all()
+
+
+@pytest.mark.parametrize(
+    ("shape", "old", "new", "dtype", "moves"),
+    [
+        ((16, 32, 32), (1, 32, 32), (16, 8, 8), "f4", True),  # contiguous: memory moves
+        ((30, 30), (7, 30), (30, 4), "f8", True),  # irregular edges: several block shapes
+        ((12, 10, 6), (5, 3, 6), (4, 10, 2), "i2", False),  # strided: numpy assignments
+        ((8, 8), (3, 8), (8, 3), ">f8", True),  # the store converts the byte order
+    ],
+)
+def test_blocks_of_one_input_are_placed_as_single_shards_are(
+    shape, old, new, dtype, moves, monkeypatch
+) -> None:
+    assignments = []
+    place = AssemblingMemoryStore._place_blocking
+    monkeypatch.setattr(
+        AssemblingMemoryStore,
+        "_place_blocking",
+        lambda self, *a: (assignments.append(a[1]), place(self, *a)),
+    )
+    partial = _partial(shape, old, new)
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 1000, shape).astype(dtype)
+    by_input: dict[tuple[int, tuple[int, ...]], list[tuple[int, np.ndarray]]] = {}
+    for output, input_, array in _shards(partial, data):
+        by_input.setdefault((input_, array.shape), []).append((output, array))
+    batches = list(by_input.items())
+    rng.shuffle(batches)  # type: ignore[arg-type]
+    store = _store(partial, np.dtype(dtype).newbyteorder("="))
+    for (input_, _), pieces in batches:
+        outputs = np.array([o for o, _ in pieces])
+        blocks = np.stack([a for _, a in pieces])
+        assert store.write_blocks_blocking(outputs, input_, blocks) == blocks.nbytes
+        assert store.write_blocks_blocking(outputs, input_, blocks) == 0  # again: dropped
+    for flat in range(partial.n_outputs):
+        out, missing = store.take_output_blocking(flat)
+        assert missing == []
+        np.testing.assert_array_equal(out, _expected(partial, data, flat))
+    stats = store.statistics()
+    assert stats.bytes_written == data.nbytes and stats.duplicates == stats.shards
+    assert (assignments == []) is moves  # every shard moved, or (strided) none could be
+    store.close_blocking()
+
+
+def test_blocks_that_do_not_fit_their_places_are_refused_by_name() -> None:
+    partial = _partial((4, 8), (1, 8), (4, 2))
+    store = _store(partial)
+    blocks = np.zeros((4, 1, 2))
+    with pytest.raises(RechunkRunError, match="got 3 outputs and blocks of shape"):
+        store.write_blocks_blocking([0, 1, 2], 0, blocks)
+    with pytest.raises(RechunkTypeError, match="holds dtype float64; got a shard of dtype int8"):
+        store.write_blocks_blocking([0, 1, 2, 3], 0, blocks.astype("i1"))
+    with pytest.raises(RechunkRunError, match=r"shape \(1, 3\) for output 0 from input 0"):
+        store.write_blocks_blocking([0], 0, np.zeros((1, 1, 3)))
+    with pytest.raises(RechunkRunError, match="input 9, which has no piece of that output"):
+        store.write_blocks_blocking([0], 9, np.zeros((1, 1, 2)))
+    # the refused shards were not stored and may come again
+    assert store.write_blocks_blocking([0, 1, 2, 3], 0, blocks + 1) == blocks.nbytes
+    out, missing = store.take_output_blocking(0)
+    assert missing == [1, 2, 3] and (out[0] == 1).all()
+    store.close_blocking()

@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rechunk_p2p.buffers.wire import Packed, cut_regular_blocking, pack_blocking, unpack_blocking
+from rechunk_p2p.buffers.wire import (
+    Packed,
+    cut_regular_blocking,
+    pack_blocking,
+    pack_blocks,
+    unpack_blocking,
+    unpack_blocks,
+)
 from rechunk_p2p.errors import RechunkInputError, RechunkRunError
 
 DTYPES = [
@@ -124,3 +131,18 @@ def test_a_regular_cut_into_a_buffer_is_a_view_of_it_and_equals_a_fresh_cut():
     assert (buffer[data.nbytes :] == 255).all()  # nothing written past the cut
     with pytest.raises(RechunkInputError, match="at least 192 bytes"):
         cut_regular_blocking(data, slices, out=np.empty(data.nbytes - 1, dtype=np.uint8))
+
+
+def test_a_batch_of_one_input_and_one_shape_unpacks_as_one_array_and_others_do_not():
+    blocks = np.arange(24, dtype="f8").reshape(3, 2, 4)
+    packed = pack_blocks(np.array([5, 6, 7]), 2, blocks, np.dtype("f8"))
+    input_, unpacked = unpack_blocks(packed, np.dtype("f8"))
+    assert input_ == 2 and np.array_equal(unpacked, blocks)
+    assert np.shares_memory(unpacked, packed.payload)
+    two_inputs = pack_blocking([(0, 1, blocks[0]), (1, 2, blocks[1])], np.dtype("f8"))
+    two_shapes = pack_blocking([(0, 1, blocks[0]), (1, 1, blocks[1, :1])], np.dtype("f8"))
+    assert unpack_blocks(two_inputs, np.dtype("f8")) is None
+    assert unpack_blocks(two_shapes, np.dtype("f8")) is None
+    short = Packed(packed.outputs, packed.inputs, packed.shapes, packed.payload[:-8])
+    with pytest.raises(RechunkRunError, match="has 184 bytes, its shards 192"):
+        unpack_blocks(short, np.dtype("f8"))
