@@ -141,11 +141,28 @@ async def test_one_thread_cutting_input_after_input_keeps_each_batch_it_has_not_
         )
         assert done == [[1] * (ROWS // n)] * n
         runs = [p.runs[SHUFFLE] for p in plugins]
-        assert [len(r._scratch) for r in runs] == [1] * n  # one buffer, used again
+        # no buffer was used again while a batch that views it waits to be delivered
+        assert [r._cuts.made for r in runs] == [ROWS // n] * n
         network.hold.set()
         assert await barrier(plugins[0], [1] * ROWS) == 1
-        assert [r._scratch for r in runs] == [[]] * n  # let go at the barrier
+        assert [r._cuts.free for r in runs] == [0] * n  # let go at the barrier
         await assert_outputs(plugins)
+
+
+@gen_test()
+async def test_a_cut_buffer_is_used_again_once_its_batches_were_delivered(seam, tmp_path):
+    with dask.config.set({"rechunk-p2p.comm.message-bytes-limit": 1}):  # send every batch
+        async with seam() as (_, _, plugins):
+            a, b = plugins
+            for i in range(ROWS):
+                plugin = (a, b)[i % 2]
+                await asyncio.to_thread(plugin.transfer_blocking, SHUFFLE, i, input_chunk(i))
+                cuts = plugin.runs[SHUFFLE]._cuts
+                while not cuts.free:  # delivered: the buffer is back
+                    await asyncio.sleep(0.001)
+            assert [p.runs[SHUFFLE]._cuts.made for p in plugins] == [1, 1]
+            assert await barrier(a, [1] * ROWS) == 1
+            await assert_outputs(plugins)
 
 
 @gen_test()

@@ -223,6 +223,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             # the current id of ``run`` (made below): a receiver that has not heard of a
             # continuation yet fetches it first (and checks the moved outputs' owners with it)
             await dataplane.send(address, shuffle_id, run.run_id, batch)
+            run.sent(batch)
 
         comm = CommBuffer(
             send,

@@ -21,6 +21,7 @@ import numpy as np
 from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
 from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
+from rechunk_p2p.buffers.cuts import CutBuffers
 from rechunk_p2p.buffers.wire import (
     Packed,
     cut_regular_blocking,
@@ -171,9 +172,9 @@ class WorkerRun:
         # the store copies shards into their outputs as they come (it keeps no views)
         self._assembles = isinstance(store, AssemblingMemoryStore)
         # buffers the task threads cut input chunks into, used again (see _cut_blocking)
-        self._scratch: list[np.ndarray] = []
-        self._scratch_taken = 0
-        self._scratch_most = 0
+        # (recent_outputs is the worker's number of task threads: a thread's buffer is free
+        # again about two inputs later, when that input's batches were delivered)
+        self._cuts = CutBuffers(max_free=2 * recent_outputs + 2)
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -246,19 +247,20 @@ class WorkerRun:
                 f"{data.shape}, expected {expected}"
             )
         start = time.perf_counter()
-        scratch = self._take_scratch(data.nbytes) if self._assembles else None
+        scratch = self._cuts.take(data.nbytes) if self._assembles else None
         try:
             local, remote = self._cut_blocking(run_spec, flat, data, scratch)
             if isinstance(local, Packed):
                 nbytes = self._store.write_packed_blocking([local])
             else:
                 nbytes = self._store.write_blocking(local) if local else 0
+            cut = time.perf_counter()
+            if remote:
+                # the batches viewing the buffer hold it until they are delivered
+                self._cuts.hold(scratch, (p for p in remote.values() if p.payload.base is scratch))
+                self._comm.put_blocking(remote)
         finally:
-            if scratch is not None:
-                self._give_scratch(scratch)
-        cut = time.perf_counter()
-        if remote:
-            self._comm.put_blocking(remote)
+            self._cuts.release(scratch, scratch)
         with self._lock:
             self._bytes_local += nbytes
             self._inputs += 1
@@ -276,10 +278,9 @@ class WorkerRun:
         destination, and each batch's payload is a view of that copy. Other cuts are copied
         shard by shard.
 
-        With ``scratch`` (a buffer of this task thread's, used again for its next input;
-        only for a store that copies shards in when they are written) the strided copy goes
-        there: the local shards are views of it, and each other worker's batch is a copy of
-        its part, so only the bytes that leave the worker take new memory.
+        With ``scratch`` (a buffer of :class:`CutBuffers`, used again once this input's
+        batches are delivered; only for a store that copies shards in when they are
+        written) the strided copy goes there, and the batches view it.
         """
         spec = run_spec.spec
         indices, slices = spec.partial.input_cuts(flat)
@@ -298,8 +299,6 @@ class WorkerRun:
             lo, hi = int(chosen[0]), int(chosen[-1]) + 1
             part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
             if position != me:
-                if scratch is not None and np.may_share_memory(part, scratch):
-                    part = part.copy()  # scratch is used again: the batch needs its own bytes
                 packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
                 remote[run_spec.dataplanes[position]] = packed
                 continue
@@ -535,29 +534,11 @@ class WorkerRun:
                 f"{first} belongs to {owner}); refused"
             )
 
-    def _take_scratch(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least ``nbytes`` for one cut: the smallest free one that fits, or a
-        new one. Give it back with :meth:`_give_scratch`."""
-        with self._lock:
-            self._scratch_taken += 1
-            self._scratch_most = max(self._scratch_most, self._scratch_taken)
-            fits = [b for b in self._scratch if b.nbytes >= nbytes]
-            if fits:
-                buffer = min(fits, key=lambda b: b.nbytes)
-                self._scratch.remove(buffer)
-                return buffer
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def _give_scratch(self, buffer: np.ndarray) -> None:
-        """Keep ``buffer`` for the next cut while inputs may still come; at most one per
-        thread that ever cut at the same time (the smallest go first)."""
-        with self._lock:
-            self._scratch_taken -= 1
-            if self._phase is not RunPhase.TRANSFERRING:
-                return
-            self._scratch.append(buffer)
-            while len(self._scratch) > self._scratch_most:
-                self._scratch.remove(min(self._scratch, key=lambda b: b.nbytes))
+    def sent(self, batch: list[Packed]) -> None:
+        """Batches were delivered (the receiver stored them): the cut buffers they view may
+        be used again. Runs on the data plane's loop."""
+        for packed in batch:
+            self._cuts.release(packed.payload.base, packed)
 
     # --- worker loop --------------------------------------------------------------------------
 
@@ -566,8 +547,7 @@ class WorkerRun:
         self._raise_if_closed()
         await on_loop(self._dataplane.loop, self._comm.flush)
         self._set_phase(RunPhase.BARRIER_PASSED)
-        with self._lock:
-            self._scratch.clear()  # no more inputs
+        self._cuts.close()  # no more inputs
 
     async def close(self) -> bool:
         """Stop sending, free buffered shards and remove spill files.
@@ -582,7 +562,7 @@ class WorkerRun:
         with self._lock:
             self._kept.clear()
             self._recent.clear()
-            self._scratch.clear()
+        self._cuts.close()
         try:
             await on_loop(self._dataplane.loop, self._comm.close)
         finally:
