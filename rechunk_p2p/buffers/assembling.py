@@ -39,7 +39,16 @@ from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
 class _Output:
     """**Guarded by the store's lock.** One output chunk being filled."""
 
-    __slots__ = ("array", "bytes", "output", "placed", "placement", "shard_bytes", "writing")
+    __slots__ = (
+        "array",
+        "bytes",
+        "dims",
+        "output",
+        "placed",
+        "placement",
+        "shard_bytes",
+        "writing",
+    )
 
     def __init__(
         self, output: int, array: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
@@ -47,6 +56,7 @@ class _Output:
         self.output = output
         self.array = array
         self.bytes = memoryview(array.reshape(-1).view(np.uint8))  # C-contiguous, new
+        self.dims = tuple(zip(array.shape, array.strides))  # (length, stride) per axis
         self.placement = placement
         self.placed: set[int] = set()  # inputs whose shard was copied in
         self.shard_bytes = 0
@@ -285,12 +295,12 @@ def _run_start(target: _Output, input_: int, shape: tuple[int, ...]) -> int | No
     there is one contiguous run of them; ``None`` otherwise (not contiguous, or a place that
     does not match ``shape``: the caller's general path raises for that)."""
     where = target.placement.get(input_)
-    array = target.array
-    if where is None or len(where) != array.ndim or len(shape) != array.ndim:
+    dims = target.dims
+    if where is None or len(where) != len(dims) or len(shape) != len(dims):
         return None
     start = 0
     spans = False  # an axis before this one has a piece longer than 1: the rest must be whole
-    for piece, length, size, stride in zip(where, shape, array.shape, array.strides):
+    for piece, length, (size, stride) in zip(where, shape, dims):
         first, stop, step = piece.indices(size)
         if step != 1 or stop - first != length or (spans and length != size):
             return None
