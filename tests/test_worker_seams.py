@@ -122,14 +122,15 @@ async def test_a_run_through_the_seam_assembles_every_output(seam, tmp_path, sto
         assert all(s.bytes_received > 0 and s.bytes_sent > 0 for s in stats)
 
 
+@pytest.mark.parametrize("storage", ["memory", "disk"])
 @gen_test()
 async def test_one_thread_cutting_input_after_input_keeps_each_batch_it_has_not_sent(
-    seam, tmp_path
+    seam, tmp_path, storage
 ):
     # each worker cuts its inputs one after the other into one buffer of its own; the
     # network holds every batch until all inputs are cut, so a batch that pointed into that
     # buffer would carry the last input's values
-    async with seam() as (_, network, plugins):
+    async with seam(storage) as (_, network, plugins):
         network.hold = asyncio.Event()
 
         def cut_all(plugin, inputs):
@@ -149,10 +150,13 @@ async def test_one_thread_cutting_input_after_input_keeps_each_batch_it_has_not_
         await assert_outputs(plugins)
 
 
+@pytest.mark.parametrize("storage", ["memory", "disk"])
 @gen_test()
-async def test_a_cut_buffer_is_used_again_once_its_batches_were_delivered(seam, tmp_path):
+async def test_a_cut_buffer_is_used_again_once_its_batches_were_delivered(
+    seam, tmp_path, storage
+):
     with dask.config.set({"rechunk-p2p.comm.message-bytes-limit": 1}):  # send every batch
-        async with seam() as (_, _, plugins):
+        async with seam(storage) as (_, _, plugins):
             a, b = plugins
             for i in range(ROWS):
                 plugin = (a, b)[i % 2]

@@ -20,6 +20,7 @@ import numpy as np
 from distributed.core import error_message
 
 from rechunk_p2p.buffers.limiter import ByteLimiter
+from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.planning import make_partials
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, ShuffleSpec
@@ -86,7 +87,9 @@ class Network:
             self.fail(sender, address, self.attempts[sender, address])
         peer = self.planes[self.misroute.get(address, address)]
         for _ in range(self.copies):
-            await peer.receive(shuffle_id, run_id, batch)
+            # as over the wire: the receiver gets bytes of its own, never the sender's
+            arrived = [Packed.from_message(p.header(), p.payload.copy()) for p in batch]
+            await peer.receive(shuffle_id, run_id, arrived)
 
 
 class FakeDataPlane:

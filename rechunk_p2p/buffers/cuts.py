@@ -9,6 +9,11 @@ is made, and a first write to a page costs a fault (on virtual machines several
 microseconds). A run's task threads cut every input chunk into such an array, and its bytes
 live until the last batch cut into it has been delivered to its worker. Keeping those arrays
 and cutting the next input chunk into one that is free again costs no new pages.
+
+A batch is delivered when its receiver acknowledged it. The data plane's transport (TCP or
+TLS, also between workers of one process) gives the receiver bytes of its own, so from then
+on nothing refers to the sender's buffer; a transport that handed the receiver the sender's
+arrays would have to copy them first.
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ class CutBuffers:
     Parameters
     ----------
     max_free
-        At most this many free buffers are kept (the smallest are let go first).
+        At most this many free buffers are kept (the smallest are let go first) ...
+    max_free_bytes
+        ... and at most this many bytes of them (a buffer larger than that is not kept).
     """
 
-    def __init__(self, max_free: int = 4) -> None:
+    def __init__(self, max_free: int = 4, max_free_bytes: int = 2**63) -> None:
         self._lock = threading.RLock()  # (a weak reference's callback may run under it)
         self._max_free = max_free
+        self._max_free_bytes = max_free_bytes
         self._free: list[np.ndarray] = []
         # id of a lent buffer -> (a weak reference to it, ids of its holders)
         self._lent: dict[int, tuple[weakref.ref, set[int]]] = {}
@@ -82,11 +90,12 @@ class CutBuffers:
             if entry[1]:
                 return
             del self._lent[id(buffer)]
-            if self._open:
+            if self._open and buffer.nbytes <= self._max_free_bytes:  # type: ignore[union-attr]
                 self._free.append(buffer)  # type: ignore[arg-type]
-                if len(self._free) > self._max_free:
-                    sizes = [b.nbytes for b in self._free]
-                    del self._free[sizes.index(min(sizes))]
+                sizes = [b.nbytes for b in self._free]
+                while sizes and (len(sizes) > self._max_free or sum(sizes) > self._max_free_bytes):
+                    k = sizes.index(min(sizes))
+                    del self._free[k], sizes[k]
 
     def close(self) -> None:
         """Let every buffer go (no more inputs); later releases are ignored. Idempotent."""

@@ -173,8 +173,11 @@ class WorkerRun:
         self._assembles = isinstance(store, AssemblingMemoryStore)
         # buffers the task threads cut input chunks into, used again (see _cut_blocking)
         # (recent_outputs is the worker's number of task threads: a thread's buffer is free
-        # again about two inputs later, when that input's batches were delivered)
-        self._cuts = CutBuffers(max_free=2 * recent_outputs + 2)
+        # again about two inputs later, when that input's batches were delivered); the idle
+        # ones stay within the worker's send buffer (comm.buffer-bytes-limit)
+        self._cuts = CutBuffers(
+            max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit
+        )
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -247,7 +250,7 @@ class WorkerRun:
                 f"{data.shape}, expected {expected}"
             )
         start = time.perf_counter()
-        scratch = self._cuts.take(data.nbytes) if self._assembles else None
+        scratch = self._cuts.take(data.nbytes)
         try:
             local, remote = self._cut_blocking(run_spec, flat, data, scratch)
             if isinstance(local, Packed):
@@ -279,8 +282,9 @@ class WorkerRun:
         shard by shard.
 
         With ``scratch`` (a buffer of :class:`CutBuffers`, used again once this input's
-        batches are delivered; only for a store that copies shards in when they are
-        written) the strided copy goes there, and the batches view it.
+        batches are delivered) the strided copy goes there, and the other workers' batches
+        view it; this worker's shards are copied out of it for a store that keeps what it
+        is given (the assembling store copies them into their outputs at once).
         """
         spec = run_spec.spec
         indices, slices = spec.partial.input_cuts(flat)
@@ -302,9 +306,9 @@ class WorkerRun:
                 packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
                 remote[run_spec.dataplanes[position]] = packed
                 continue
-            if len(chosen) < len(blocks) and not self._assembles:
-                # the store keeps it (memory, or the disk store's write buffer): do not pin
-                # the whole copy
+            if not self._assembles:
+                # the store keeps it (memory, or the disk store's write buffer): a copy of
+                # its own, not a view of the buffer the next input is cut into
                 part = part.copy()
             if self.storage == "memory" and not self._assembles:
                 local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))

@@ -67,3 +67,12 @@ def test_many_free_buffers_of_many_sizes_are_chosen_by_size() -> None:
     assert cuts.take(15) is buffers[3]  # 20
     assert cuts.take(15) is buffers[2]  # 40
     assert cuts.free == 0
+
+
+def test_free_buffers_stay_within_their_bytes() -> None:
+    cuts = CutBuffers(max_free=4, max_free_bytes=100)
+    buffers = [cuts.take(n) for n in (60, 30, 20, 200)]
+    for b in buffers:
+        cuts.release(b, b)
+    # 200 alone is past the bound; of 60 + 30 + 20, the smallest goes
+    assert cuts.free == 2 and cuts.take(50) is buffers[0] and cuts.take(25) is buffers[1]
