@@ -122,3 +122,17 @@ def test_larger_than_memory_command_small(tmp_path: Path) -> None:
         assert (r["most_paused"], r["restarted"]) == (0, 0)
         assert r["wall_s"] > 0 and r["rss_peak_bytes"] > 10 * 2**20
     assert scratch_dirs() <= before  # its stores and worker directories are gone
+
+
+def test_cpu_times_of_one_rechunk(capsys: pytest.CaptureFixture[str]) -> None:
+    from integration import cpu_times
+
+    cpu_times.main(["--workload", "2d128", "--size", "8MiB", "--runs", "1"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[0] 2d128 rechunk_p2p wall ")
+    figures = [
+        float(v)
+        for v in line.split("cpu user + sys s: ")[1].replace("+", " ").split()
+        if v[0].isdigit()
+    ]
+    assert len(figures) == 6 and figures[0] + figures[2] > 0  # the workers worked
