@@ -117,8 +117,48 @@ class ComputedCounter(SchedulerPlugin):
             self.counts["transfers"] += 1
 
 
-def _count_from(dask_scheduler: Any, since: float) -> None:  # runs on the scheduler
-    dask_scheduler.plugins[ComputedCounter.name].since = since
+class Killer(SchedulerPlugin):
+    """Kills the victim's process from the scheduler's own transition, once armed and the
+    run is half way through the phase: a kill sent from the client after it saw the run get
+    there came several round trips late, and with fast unpacks every output could be done
+    by then (the lost results are then recomputed by a new run, not a continuation)."""
+
+    name = "bench-loss-killer"
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+        self.scheduler: Any = None
+        self.pid: int | None = None
+        self.killed_at: float | None = None
+        self.progress: dict = {}
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish == "memory":
+            self.kill_if_due()
+
+    def kill_if_due(self) -> None:
+        if self.pid is None or self.killed_at is not None:
+            return
+        progress = _progress(self.scheduler)
+        if progress and _reached(self.phase, progress):
+            self.progress = progress
+            self.killed_at = time.time()
+            self.scheduler.plugins[ComputedCounter.name].since = self.killed_at
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _arm(dask_scheduler: Any, pid: int) -> None:  # runs on the scheduler
+    killer = dask_scheduler.plugins[Killer.name]
+    killer.pid = pid
+    killer.kill_if_due()
+
+
+def _killed(dask_scheduler: Any) -> tuple[float | None, dict]:  # runs on the scheduler
+    killer = dask_scheduler.plugins[Killer.name]
+    return killer.killed_at, killer.progress
 
 
 def _after(dask_scheduler: Any) -> dict:  # runs on the scheduler
@@ -151,26 +191,36 @@ def one_run(variant: str, phase: str, nbytes: int, timeout: float) -> dict:
         client.wait_for_workers(3, timeout=120)
         rechunk_p2p.register(client)
         client.register_plugin(ComputedCounter())
+        client.register_plugin(Killer(phase))
         if variant == "restart":
             client.run_on_scheduler(_never_continue)
         future = client.compute(checked(rechunk_p2p.rechunk(source_array(w), w.target_chunks), w))
         deadline = time.monotonic() + timeout
-        while True:
-            progress = client.run_on_scheduler(_progress)
-            if _reached(phase, progress):
-                break
-            if time.monotonic() > deadline or future.done():
-                raise RuntimeError(f"never reached the {phase} phase: {progress}")
-            time.sleep(0.005)
+
+        def wait_for(what: str, done: Any) -> dict:
+            while True:
+                progress = client.run_on_scheduler(_progress)
+                if progress and done(progress):
+                    return progress
+                if time.monotonic() > deadline or future.done():
+                    raise RuntimeError(f"never reached {what}: {progress}")
+                time.sleep(0.005)
+
+        # after the barrier nothing is sent until the kill: count the bytes sent before it
+        # then (during the transfers, the count is as late as the client can take it)
+        progress = wait_for("the run", lambda p: phase != "unpack" or p["barrier"] == "memory")
         victim = progress["victim"]
         survivors = [a for a in client.scheduler_info()["workers"] if a != victim]
         sent_before = _bytes_sent(client, survivors)
         pid = client.run(os.getpid, workers=[victim])[victim]
-        killed = time.time()
-        client.run_on_scheduler(_count_from, since=killed)
-        os.kill(pid, signal.SIGKILL)
+        client.run_on_scheduler(_arm, pid=pid)
+        while (killed := client.run_on_scheduler(_killed))[0] is None:
+            if time.monotonic() > deadline or future.done():
+                raise RuntimeError(f"never reached the {phase} phase to kill {victim}")
+            time.sleep(0.005)
+        killed_at, progress = killed
         ok = bool(future.result(timeout=max(deadline - time.monotonic(), 1)))
-        seconds = time.time() - killed
+        seconds = time.time() - killed_at
         after = client.run_on_scheduler(_after)
         sent_after = _bytes_sent(client, survivors)
     return {
