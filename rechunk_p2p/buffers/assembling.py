@@ -27,6 +27,7 @@ from rechunk_p2p.buffers.base import (
     Shard,
     ShardLedger,
     StoreStatistics,
+    check_array,
     check_shard,
     closed_error,
     copy_into_blocking,
@@ -150,7 +151,8 @@ class AssemblingMemoryStore:
         RechunkRunError
             As :meth:`write_blocking`, or ``blocks`` does not hold one shard per output.
         """
-        _, input_, blocks = check_shard((0, input_, blocks), self.dtype, self.kind, self.name)
+        input_ = operator.index(input_)
+        blocks = check_array(blocks, self.dtype, self.kind, self.name, f"input {input_}'s batch")
         if isinstance(outputs, np.ndarray):
             outputs = outputs.tolist()
         else:

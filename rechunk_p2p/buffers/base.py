@@ -17,7 +17,7 @@ import mmap
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -252,19 +252,25 @@ def check_shard(shard: Shard, dtype: np.dtype, kind: str, name: str) -> Shard:
             f"The {kind} shard store {name!r} expects (output index, input index, array) "
             f"tuples with integer indices; got {type(shard).__name__}: {exc}"
         ) from exc
+    return output, input_, check_array(array, dtype, kind, name, f"output {output}, input {input_}")
+
+
+def check_array(array: Any, dtype: np.dtype, kind: str, name: str, of: str) -> np.ndarray:
+    """:func:`check_shard`'s check of the array alone (``of`` names it in errors): a numpy
+    array of ``dtype``, converted from another byte order notation."""
     if not isinstance(array, np.ndarray):
         raise RechunkTypeError(
             f"The {kind} shard store {name!r} expects numpy arrays; got "
-            f"{type(array).__name__} for output {output}, input {input_}."
+            f"{type(array).__name__} for {of}."
         )
     if array.dtype != dtype:
         if not np.can_cast(array.dtype, dtype, casting="equiv"):
             raise RechunkTypeError(
                 f"The {kind} shard store {name!r} holds dtype {dtype}; got a shard of dtype "
-                f"{array.dtype} for output {output}, input {input_}."
+                f"{array.dtype} for {of}."
             )
         array = array.astype(dtype, casting="equiv")
-    return output, input_, array
+    return array
 
 
 def owned_array(array: np.ndarray) -> np.ndarray:
