@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dask.utils import format_bytes, parse_bytes
-from distributed import Client, LocalCluster, SchedulerPlugin
+from distributed import Client, LocalCluster, SchedulerPlugin, WorkerPlugin
 
 from integration.workloads import checked, rows_to_columns, source_array
 
@@ -150,6 +150,33 @@ class Killer(SchedulerPlugin):
             os.kill(self.pid, signal.SIGKILL)
 
 
+class FirstUnpack(WorkerPlugin):
+    """Notes, on each worker, the shard bytes it had sent when its first output task began:
+    after the barrier, so every transfer's bytes, and before the kill, which comes half way
+    through the outputs (checked against the kill's time)."""
+
+    name = "bench-loss-first-unpack"
+
+    def __init__(self) -> None:
+        self.sent: int | None = None
+        self.at: float | None = None
+        self.worker: Any = None
+
+    def setup(self, worker: Any) -> None:
+        self.worker = worker
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        name = key[0] if isinstance(key, tuple) else str(key)
+        if self.sent is None and finish == "executing" and name.startswith("rechunk-p2p-out-"):
+            self.sent = self.worker.plugins["rechunk-p2p"].totals().bytes_sent
+            self.at = time.time()
+
+
+def _first_unpack(dask_worker: Any) -> tuple[int | None, float | None]:
+    plugin = dask_worker.plugins[FirstUnpack.name]
+    return plugin.sent, plugin.at
+
+
 def _arm(dask_scheduler: Any, pid: int) -> None:  # runs on the scheduler
     killer = dask_scheduler.plugins[Killer.name]
     killer.pid = pid
@@ -192,6 +219,7 @@ def one_run(variant: str, phase: str, nbytes: int, timeout: float) -> dict:
         rechunk_p2p.register(client)
         client.register_plugin(ComputedCounter())
         client.register_plugin(Killer(phase))
+        client.register_plugin(FirstUnpack())
         if variant == "restart":
             client.run_on_scheduler(_never_continue)
         future = client.compute(checked(rechunk_p2p.rechunk(source_array(w), w.target_chunks), w))
@@ -206,13 +234,15 @@ def one_run(variant: str, phase: str, nbytes: int, timeout: float) -> dict:
                     raise RuntimeError(f"never reached {what}: {progress}")
                 time.sleep(0.005)
 
-        # after the barrier nothing is sent until the kill: count the bytes sent before it
-        # then (during the transfers, the count is as late as the client can take it)
-        progress = wait_for("the run", lambda p: phase != "unpack" or p["barrier"] == "memory")
+        progress = wait_for("the run", lambda p: True)
         victim = progress["victim"]
         survivors = [a for a in client.scheduler_info()["workers"] if a != victim]
-        sent_before = _bytes_sent(client, survivors)
+        if phase == "transfer":  # as late as the client can take it, then the kill
+            sent_before = _bytes_sent(client, survivors)
         pid = client.run(os.getpid, workers=[victim])[victim]
+        # armed before the barrier: the scheduler kills the victim in the transition that
+        # brings the run half way through the phase (a kill from the client came several
+        # round trips late, and the outputs were sometimes all done by then)
         client.run_on_scheduler(_arm, pid=pid)
         while (killed := client.run_on_scheduler(_killed))[0] is None:
             if time.monotonic() > deadline or future.done():
@@ -223,6 +253,11 @@ def one_run(variant: str, phase: str, nbytes: int, timeout: float) -> dict:
         seconds = time.time() - killed_at
         after = client.run_on_scheduler(_after)
         sent_after = _bytes_sent(client, survivors)
+        if phase == "unpack":  # nothing is sent from the barrier until the kill
+            firsts = client.run(_first_unpack, workers=survivors).values()
+            if any(sent is None or at >= killed_at for sent, at in firsts):
+                raise RuntimeError(f"a survivor began no output before the kill: {firsts}")
+            sent_before = sum(sent for sent, _ in firsts)
     return {
         "variant": variant,
         "phase": phase,
