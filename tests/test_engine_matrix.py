@@ -437,7 +437,14 @@ async def test_cancelling_one_of_two_computations_sharing_a_rechunk(c, s, a, b):
     await assert_clean(s, a, b)
 
 
-@pytest.mark.parametrize(("fraction", "expected"), [(0.25, "memory"), (1e-9, "disk")])
+#: 2 of a worker's 5 output chunks of 960 bytes fit a budget of 2,400 bytes (of 2 GiB)
+_TWO_OUTPUTS = 2400 / 2**31
+
+
+@pytest.mark.parametrize(
+    ("fraction", "expected"),
+    [(0.25, "memory"), (_TWO_OUTPUTS, "memory+disk"), (1e-9, "disk")],
+)
 @gen_cluster(
     client=True,
     nthreads=TWO,
@@ -448,18 +455,26 @@ async def test_cancelling_one_of_two_computations_sharing_a_rechunk(c, s, a, b):
 async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expected):
     """``auto`` keeps shards in memory only within the budget, and the engine's own
     statistics show what it held: each worker at most the shards of its own outputs (half
-    the array), within ``storage-memory-fraction`` of its memory limit."""
+    the array), within ``storage-memory-fraction`` of its memory limit. Past the budget, the
+    outputs that fit it are still filled in memory and only the others' shards spilled."""
     await rechunk_p2p.register(c)
     arr = np.arange(40 * 30).reshape(40, 30)
     x = da.from_array(arr, chunks=(1, 30))
     with dask.config.set({"rechunk-p2p.storage-memory-fraction": fraction}):
         check_result(await c.compute(rechunk_p2p.rechunk(x, (40, 3))), arr)
     await assert_clean(s, a, b)
-    assert_storage_used(expected, a, b)
-    held = [w.plugins[PLUGIN].totals().max_bytes_stored_in_memory for w in (a, b)]
+    totals = [w.plugins[PLUGIN].totals() for w in (a, b)]
+    held = [t.max_bytes_stored_in_memory for t in totals]
+    spilled = [t.bytes_spilled for t in totals]
     assert all(0 < h <= arr.nbytes // 2 for h in held), held  # 5 of the 10 outputs each
+    output = 40 * 3 * arr.itemsize
     if expected == "memory":
+        assert spilled == [0, 0]
         assert all(h <= fraction * 2 * 2**30 for h in held)
+    elif expected == "disk":
+        assert spilled == [5 * output] * 2
+    else:  # 2 outputs in memory, the shards of the other 3 spilled
+        assert spilled == [3 * output] * 2
 
 
 @gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)

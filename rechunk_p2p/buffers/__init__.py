@@ -16,6 +16,7 @@ from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
 from rechunk_p2p.buffers.base import STORE_KINDS, Shard, ShardStore, StoreKind, StoreStatistics
 from rechunk_p2p.buffers.disk import DiskShardStore
 from rechunk_p2p.buffers.memory import MemoryShardStore
+from rechunk_p2p.buffers.split import SplitStore
 from rechunk_p2p.errors import RechunkInputError
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "MemoryShardStore",
     "Shard",
     "ShardStore",
+    "SplitStore",
     "StoreStatistics",
     "make_store",
 ]
@@ -38,14 +40,17 @@ def make_store(
     buffer_bytes: int = 0,
     output_shape: Callable[[int], tuple[int, ...]] | None = None,
     placement: Callable[[int], Mapping[int, tuple[slice, ...]]] | None = None,
-) -> ShardStore | AssemblingMemoryStore:
+    in_memory: np.ndarray | None = None,
+) -> ShardStore | AssemblingMemoryStore | SplitStore:
     """Create an empty shard store.
 
     Parameters
     ----------
     kind
-        ``"disk"`` to spill shards to local disk or ``"memory"`` to keep them in memory.
-        ``"auto"`` must be resolved by the caller before this point.
+        ``"disk"`` to spill shards to local disk, ``"memory"`` to keep them in memory, or
+        ``"memory+disk"`` to assemble the outputs ``in_memory`` in memory and spill the
+        others (:class:`SplitStore`). ``"auto"`` must be resolved by the caller before this
+        point.
     dtype
         The dtype of every shard written to the store.
     directory
@@ -63,6 +68,9 @@ def make_store(
         (``{input: slices}``). Given (and the dtype not object), the store fills outputs as
         shards arrive (:class:`AssemblingMemoryStore`); else it keeps the shards
         (:class:`MemoryShardStore`, for outputs whose shape is not known in advance).
+        Required for ``"memory+disk"``.
+    in_memory
+        For ``"memory+disk"``: one boolean per flat output, true for those held in memory.
 
     Examples
     --------
@@ -80,6 +88,17 @@ def make_store(
         return MemoryShardStore(dtype, name)
     if kind == "disk":
         return DiskShardStore(dtype, directory, name, buffer_bytes)
+    if kind == "memory+disk":
+        if output_shape is None or placement is None or in_memory is None or dtype.hasobject:
+            raise RechunkInputError(
+                f"Store {name!r}: 'memory+disk' needs output shapes, placements and the "
+                "outputs held in memory, and a dtype other than object"
+            )
+        return SplitStore(
+            AssemblingMemoryStore(dtype, name, output_shape, placement),
+            DiskShardStore(dtype, directory, name, buffer_bytes),
+            in_memory,
+        )
     raise RechunkInputError(
         f"Unknown shard store kind {kind!r} for store {name!r}; expected one of "
         f"{STORE_KINDS} (resolve 'auto' before creating the store)."

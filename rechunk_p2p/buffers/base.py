@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 Shard = tuple[int, int, np.ndarray]
 """``(output index, input index, array)``; flat indices within one sub-shuffle."""
 
-StoreKind = Literal["disk", "memory"]
-STORE_KINDS: tuple[StoreKind, ...] = ("disk", "memory")
+StoreKind = Literal["disk", "memory", "memory+disk"]
+STORE_KINDS: tuple[StoreKind, ...] = ("disk", "memory", "memory+disk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,8 @@ class StoreStatistics:
     max_bytes_in_memory
         The most shard bytes the store held in memory at once (memory: everything it held;
         disk: its write buffer).
+    bytes_spilled
+        Of ``bytes_written``, the bytes written to disk.
     """
 
     kind: str
@@ -68,6 +70,7 @@ class StoreStatistics:
     bytes_buffered: int
     outputs: int
     max_bytes_in_memory: int = 0
+    bytes_spilled: int = 0
 
 
 class ShardLedger:
@@ -147,6 +150,7 @@ class ShardLedger:
             bytes_buffered=self.bytes_buffered,
             outputs=outputs,
             max_bytes_in_memory=self.max_bytes_in_memory,
+            bytes_spilled=self.bytes_written if kind == "disk" else 0,
         )
 
 

@@ -41,7 +41,7 @@ from rechunk_p2p.buffers.base import (
     owned_array,
     place_blocking,
 )
-from rechunk_p2p.buffers.wire import Packed, unpack_blocking
+from rechunk_p2p.buffers.wire import Packed, packed_sizes, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError, RechunkStorageError
 
 DATA_FILE = "shards.bin"
@@ -636,22 +636,6 @@ def _coalesce(targets: list[tuple[int, memoryview]]) -> list[tuple[int, list[mem
             runs.append((offset, [view]))
         end = offset + view.nbytes
     return runs
-
-
-def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
-    """The byte count of each shard of ``packed`` (fixed-width ``dtype``), checked against
-    its payload."""
-    shapes = packed.shapes
-    if shapes and all(s == shapes[0] for s in shapes):
-        sizes = np.full(len(shapes), int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize)
-    else:
-        sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
-        sizes *= dtype.itemsize
-    if int(sizes.sum()) != packed.nbytes:
-        raise RechunkRunError(
-            f"Packed payload has {packed.nbytes} bytes, its shards {int(sizes.sum())}"
-        )
-    return sizes
 
 
 def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list[memoryview]:

@@ -160,6 +160,69 @@ def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | N
     return inputs[0], packed.payload.view(dtype).reshape(n, *shapes[0])
 
 
+def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
+    """The byte count of each shard of ``packed`` (fixed-width ``dtype``), checked against
+    its payload."""
+    shapes = packed.shapes
+    if shapes and all(s == shapes[0] for s in shapes):
+        sizes = np.full(len(shapes), int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize)
+    else:
+        sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
+        sizes *= dtype.itemsize
+    if int(sizes.sum()) != packed.nbytes:
+        raise RechunkRunError(
+            f"Packed payload has {packed.nbytes} bytes, its shards {int(sizes.sum())}"
+        )
+    return sizes
+
+
+def split_packed_blocking(
+    packed: Packed, keep: np.ndarray, dtype: np.dtype
+) -> tuple[Packed, Packed]:
+    """``packed`` as two batches: the shards where ``keep`` is true, and the others.
+
+    When the kept shards come first (a batch's outputs are ascending, and a worker's outputs
+    split at one output), both batches view the payload; otherwise each gets a copy of its
+    shards' bytes. Not for object dtype.
+
+    Examples
+    --------
+    >>> p = pack_blocking([(0, 5, np.arange(2.0)), (1, 5, np.arange(3.0))], np.dtype("f8"))
+    >>> kept, rest = split_packed_blocking(p, np.array([True, False]), np.dtype("f8"))
+    >>> kept.outputs, kept.payload.view("f8").tolist(), rest.outputs, rest.nbytes
+    ((0,), [0.0, 1.0], (1,), 24)
+    """
+    sizes = packed_sizes(packed, dtype)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    kept = np.flatnonzero(keep)
+    rest = np.flatnonzero(~keep)
+    k = len(kept)
+    if k and kept[-1] == k - 1:  # a prefix: two views
+        cut = int(ends[k - 1])
+        return _subset(packed, kept, packed.payload[:cut]), _subset(
+            packed, rest, packed.payload[cut:]
+        )
+    parts = []
+    for chosen in (kept, rest):
+        bounds = zip(starts[chosen].tolist(), ends[chosen].tolist())
+        pieces = [packed.payload[a:b] for a, b in bounds]
+        payload = np.concatenate(pieces) if pieces else packed.payload[:0]
+        parts.append(_subset(packed, chosen, payload))
+    return parts[0], parts[1]
+
+
+def _subset(packed: Packed, chosen: np.ndarray, payload: np.ndarray) -> Packed:
+    """The header of ``packed``'s shards ``chosen`` (ascending), with ``payload``."""
+    pick = chosen.tolist()
+    return Packed(
+        tuple(packed.outputs[i] for i in pick),
+        tuple(packed.inputs[i] for i in pick),
+        tuple(packed.shapes[i] for i in pick),
+        payload,
+    )
+
+
 def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
     """The shards of a packed batch, as arrays viewing its payload (no copy)."""
     if dtype.hasobject:

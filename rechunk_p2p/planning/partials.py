@@ -122,6 +122,19 @@ class Partial:
         local = _unravel(flat, self.new_grid)
         return tuple(c[i] for c, i in zip(self.new_chunks, local))
 
+    def output_sizes(self, flats: np.ndarray) -> np.ndarray:
+        """Number of elements of each output chunk in ``flats`` (flat indices), at once.
+
+        >>> p = Partial((0, 0), (0, 0), (0, 0), ((2, 2), (4,)), ((4,), (1, 3)))
+        >>> p.output_sizes(np.array([1, 0])).tolist()
+        [12, 4]
+        """
+        local = np.unravel_index(np.asarray(flats, dtype=np.int64), self.new_grid)
+        sizes = np.ones(len(flats), dtype=np.int64)
+        for chunks, index in zip(self.new_chunks, local):
+            sizes *= np.asarray(chunks, dtype=np.int64)[index]
+        return sizes
+
     def input_shape(self, flat: int) -> tuple[int, ...]:
         """Shape of the input chunk with flat index ``flat``."""
         local = _unravel(flat, self.old_grid)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from dask.utils import parse_timedelta
 from distributed import Reschedule, WorkerPlugin
 from distributed.core import clean_exception
@@ -204,7 +205,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
-        storage = self._resolve_storage(run_spec)
+        storage, in_memory = self._resolve_storage(run_spec)
         directory = os.path.join(self.worker.local_directory, ENGINE_DIRECTORY)
         spec, partial = run_spec.spec, run_spec.spec.partial
         known = not spec.unknown_axes  # outputs can be filled as their shards come
@@ -216,6 +217,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
             output_shape=partial.output_shape if known else None,
             placement=(lambda flat: dict(partial.shards_of_output(flat))) if known else None,
+            in_memory=in_memory,
         )
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
 
@@ -262,16 +264,47 @@ class RechunkWorkerPlugin(WorkerPlugin):
         """Whether the worker is closing (read from any thread)."""
         return worker_closing(self.worker)
 
-    def _resolve_storage(self, run_spec: RunSpec) -> str:
+    def _resolve_storage(self, run_spec: RunSpec) -> tuple[str, np.ndarray | None]:
+        """The run's store kind here and, for ``"memory+disk"``, which outputs stay in memory.
+
+        ``auto``: memory when this worker's share of the run fits ``storage-memory-fraction``
+        of its memory limit. When it does not, the first of this worker's outputs that fit
+        that budget are filled in memory and the others spilled (``"memory+disk"``); disk
+        when none fits, or outputs cannot be filled as they come (unknown chunk sizes,
+        object dtype).
+        """
         storage = run_spec.spec.storage
         if storage != "auto":
-            return storage
+            return storage, None
         limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
         if not limit:
-            return "memory"
+            return "memory", None
         budget = limit * config.get("storage-memory-fraction")
         estimate = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
-        return "memory" if estimate <= budget else "disk"
+        if estimate <= budget:
+            return "memory", None
+        in_memory = self._outputs_within(run_spec, budget)
+        return ("disk", None) if in_memory is None else ("memory+disk", in_memory)
+
+    def _outputs_within(self, run_spec: RunSpec, budget: float) -> np.ndarray | None:
+        """One boolean per flat output: this worker's first outputs (ascending) whose bytes
+        add up to at most ``budget``; ``None`` when none fits or outputs cannot be filled as
+        their shards come."""
+        spec = run_spec.spec
+        if spec.unknown_axes or spec.dtype.hasobject:
+            return None
+        if self.worker.address not in run_spec.workers:
+            return None
+        outputs = spec.outputs_array
+        position = run_spec.workers.index(self.worker.address)
+        mine = outputs[run_spec.owner_positions(outputs) == position]
+        nbytes = spec.partial.output_sizes(mine) * spec.dtype.itemsize
+        fits = np.cumsum(nbytes) <= budget
+        if not fits.any():
+            return None
+        in_memory = np.zeros(spec.partial.n_outputs, dtype=bool)
+        in_memory[mine[fits]] = True
+        return in_memory
 
     async def _close_run(self, run: WorkerRun) -> None:
         """Forget ``run`` here and close it. Its figures move to the totals in the same step

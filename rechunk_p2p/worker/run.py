@@ -22,6 +22,7 @@ from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
 from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.cuts import CutBuffers
+from rechunk_p2p.buffers.split import SplitStore
 from rechunk_p2p.buffers.wire import (
     Packed,
     cut_regular_blocking,
@@ -117,7 +118,8 @@ class WorkerRun:
         This worker.
     store
         Where shards for this worker's outputs wait until assembly (an
-        :class:`AssemblingMemoryStore` assembles them as they come).
+        :class:`AssemblingMemoryStore` assembles them as they come; a :class:`SplitStore`
+        does so for some outputs and spills the others).
     storage
         The store's kind, for diagnostics.
     dataplane
@@ -138,7 +140,7 @@ class WorkerRun:
         self,
         run_spec: RunSpec,
         worker_address: str,
-        store: ShardStore | AssemblingMemoryStore,
+        store: ShardStore | AssemblingMemoryStore | SplitStore,
         storage: str,
         dataplane: DataPlane,
         offload: OffloadPool,
@@ -388,8 +390,11 @@ class WorkerRun:
         start = time.perf_counter()
         spec = self.run_spec.spec
         partial = spec.partial
-        if isinstance(self._store, AssemblingMemoryStore):  # filled as its shards came
-            out, missing = self._store.take_output_blocking(flat)
+        store = self._store
+        if isinstance(store, AssemblingMemoryStore) or (
+            isinstance(store, SplitStore) and store.holds_in_memory(flat)
+        ):  # filled as its shards came
+            out, missing = store.take_output_blocking(flat)
             if out is None:
                 out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
         else:
@@ -591,7 +596,7 @@ class WorkerRun:
                 bytes_local=self._bytes_local,
                 bytes_received=self._bytes_received,
                 bytes_sent=comm.bytes_sent,
-                bytes_spilled=store.bytes_written if store.kind == "disk" else 0,
+                bytes_spilled=store.bytes_spilled,
                 bytes_buffered=store.bytes_buffered,
                 max_bytes_queued=comm.max_bytes_queued,
                 max_bytes_stored_in_memory=store.max_bytes_in_memory,

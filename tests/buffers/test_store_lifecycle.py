@@ -75,7 +75,8 @@ def test_statistics_snapshot_is_immutable(make, kind):
         stats.shards = 5  # type: ignore[misc]
     assert not hasattr(stats, "__dict__")
     in_memory = 0 if kind == "disk" else 40  # all of it, or the write buffer's
-    assert stats == StoreStatistics(kind.split("-")[0], 1, 0, 40, 0, 40, 1, in_memory)
+    spilled = 40 if kind.startswith("disk") else 0
+    assert stats == StoreStatistics(kind.split("-")[0], 1, 0, 40, 0, 40, 1, in_memory, spilled)
 
 
 def test_batch_validated_before_anything_is_stored(make):
