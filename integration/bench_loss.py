@@ -1,7 +1,7 @@
 """An output owner killed mid-run: what continuing the run saves over a restart.
 
 Where it runs: the benchmark process (client, and the scheduler of each local cluster, which
-runs in this process) drives one fresh cluster per run and kills one worker process.
+runs in this process) drives one fresh cluster per run; one worker process kills itself.
 
 Usage::
 
@@ -9,10 +9,11 @@ Usage::
 
 Each run: 3 worker processes x 1 thread with nannies, every setting at its default; a 2-D
 float64 array of row blocks generated on the workers, rechunked by ``rechunk_p2p`` to column
-blocks of about 16 MiB, and every output chunk checked on the workers. Once the barrier has
-passed and about half the outputs are finished (``--phase transfer``: half the transfers,
-before the barrier), the worker process that owns the last block of outputs is killed
-(``SIGKILL``). Two variants alternate:
+blocks of about 16 MiB, and every output chunk checked on the workers. The worker process that
+owns the last block of outputs is killed (``SIGKILL``, sent by itself from a worker plugin of
+the benchmark) as it begins the second half of its own outputs (``--phase transfer``: the
+second half of its share of the transfers, before the barrier).
+Two variants alternate:
 
 - ``continue``: the engine as it is (the run continues without the worker);
 - ``restart``: the same, with the scheduler plugin told never to continue (``_can_continue``
@@ -31,6 +32,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -65,132 +67,118 @@ def _never_continue(dask_scheduler: Any) -> None:  # runs on the scheduler
     plugin._can_continue = lambda *args: False
 
 
-def _progress(dask_scheduler: Any) -> dict:  # runs on the scheduler
+def _victim(dask_scheduler: Any) -> dict:  # runs on the scheduler
+    """The owner of the run's last output and its number of outputs, once there is a run."""
     plugin = dask_scheduler.plugins.get("rechunk-p2p")
     runs = list(plugin.active.values()) if plugin is not None else []
     if not runs:
         return {}
     spec = runs[0].run_spec
-    tasks = dask_scheduler.tasks
-    barrier = tasks.get(f"rechunk_p2p-barrier-{spec.shuffle_id}")
-    outputs = [spec.spec.output_key(flat) for flat in spec.spec.outputs]
-    pending = {"waiting", "queued", "no-worker", "processing"}
-    done = sum(1 for k in outputs if k not in tasks or tasks[k].state not in pending)
-    last = spec.worker_for(spec.spec.outputs[-1])
-    deps = barrier.dependencies if barrier is not None else ()
-    return {
-        "barrier": barrier.state if barrier is not None else None,
-        "done": done,
-        "outputs": len(outputs),
-        "transfers_done": sum(1 for dt in deps if dt.state == "memory"),
-        "inputs": len(spec.spec.inputs),
-        "victim": last,
-    }
+    victim = spec.worker_for(spec.spec.outputs[-1])
+    mine = sum(spec.worker_for(flat) == victim for flat in spec.spec.outputs)
+    return {"victim": victim, "outputs": len(spec.spec.outputs), "victim_outputs": mine}
 
 
-def _reached(phase: str, progress: dict) -> bool:
-    """Whether the run is half way through ``phase``."""
-    if phase == "unpack":
-        return progress.get("barrier") == "memory" and progress["done"] >= progress["outputs"] // 2
-    return (
-        progress.get("barrier") == "waiting"
-        and progress["transfers_done"] >= progress["inputs"] // 2
-    )
+def _output(key: Any) -> bool:
+    return isinstance(key, tuple) and key[0].startswith("rechunk-p2p-out-")
+
+
+def _transfer(key: Any) -> bool:
+    return isinstance(key, tuple) and "rechunk_p2p-transfer-" in key[0]
 
 
 class ComputedCounter(SchedulerPlugin):
-    """Counts the output and transfer tasks the scheduler sees finish after :attr:`since`."""
+    """Notes when the scheduler sees each output and transfer task finish."""
 
     name = "bench-loss-counter"
 
     def __init__(self) -> None:
-        self.since = float("inf")
-        self.counts = {"outputs": 0, "transfers": 0}
+        self.finished: list[tuple[float, str, Any]] = []
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if finish != "memory" or time.time() < self.since:
-            return
-        name = key[0] if isinstance(key, tuple) else str(key)
-        if name.startswith("rechunk-p2p-out-"):
-            self.counts["outputs"] += 1
-        elif "rechunk_p2p-transfer-" in name:
-            self.counts["transfers"] += 1
+        if finish == "memory" and (_output(key) or _transfer(key)):
+            self.finished.append((time.time(), "outputs" if _output(key) else "transfers", key))
 
 
-class Killer(SchedulerPlugin):
-    """Kills the victim's process from the scheduler's own transition, once armed and the
-    run is half way through the phase: a kill sent from the client after it saw the run get
-    there came several round trips late, and with fast unpacks every output could be done
-    by then (the lost results are then recomputed by a new run, not a continuation)."""
+class OwnKill(WorkerPlugin):
+    """Kills its own worker process (``SIGKILL``) on the victim, the owner of the run's last
+    output, half way through the phase: as it begins the output task after the first half of
+    its own outputs (the unpacks), or the transfer task after half of an even share of the
+    inputs (the transfers). The time of the kill goes to a file first; a file already there
+    means the kill was done (by the victim's process, or a worker that replaced it).
 
-    name = "bench-loss-killer"
+    The kill comes from the victim itself: assembled in memory as the shards came, outputs take
+    no time, and a kill from the scheduler as it saw half of them finished came after the
+    victim had finished the others too (then only results are lost, and recomputed by a new
+    run, not a continuation)."""
 
-    def __init__(self, phase: str) -> None:
+    name = "bench-loss-own-kill"
+
+    def __init__(self, phase: str, path: str) -> None:
         self.phase = phase
-        self.scheduler: Any = None
-        self.pid: int | None = None
-        self.killed_at: float | None = None
-        self.progress: dict = {}
-
-    async def start(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-
-    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if finish == "memory":
-            self.kill_if_due()
-
-    def kill_if_due(self) -> None:
-        if self.pid is None or self.killed_at is not None:
-            return
-        progress = _progress(self.scheduler)
-        if progress and _reached(self.phase, progress):
-            self.progress = progress
-            self.killed_at = time.time()
-            self.scheduler.plugins[ComputedCounter.name].since = self.killed_at
-            os.kill(self.pid, signal.SIGKILL)
-
-
-class FirstUnpack(WorkerPlugin):
-    """Notes, on each worker, the shard bytes it had sent when its first output task began:
-    after the barrier, so every transfer's bytes, and before the kill, which comes half way
-    through the outputs (checked against the kill's time)."""
-
-    name = "bench-loss-first-unpack"
-
-    def __init__(self) -> None:
-        self.sent: int | None = None
-        self.at: float | None = None
+        self.path = path
+        self.begun = 0
         self.worker: Any = None
 
     def setup(self, worker: Any) -> None:
         self.worker = worker
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        name = key[0] if isinstance(key, tuple) else str(key)
-        if self.sent is None and finish == "executing" and name.startswith("rechunk-p2p-out-"):
+        if finish != "executing":
+            return
+        if not (_output(key) if self.phase == "unpack" else _transfer(key)):
+            return
+        self.begun += 1
+        runs = list(self.worker.plugins["rechunk-p2p"].runs.values())
+        if not runs or Path(self.path).exists():  # a transfer may come before the run
+            return
+        spec = runs[0].run_spec
+        if spec.worker_for(spec.spec.outputs[-1]) != self.worker.address:
+            return
+        if self.phase == "unpack":
+            mine = sum(spec.worker_for(flat) == self.worker.address for flat in spec.spec.outputs)
+        else:
+            mine = len(spec.spec.inputs) // len(spec.workers)
+        if self.begun > mine // 2:
+            Path(self.path).write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FirstUnpack(WorkerPlugin):
+    """Notes, on each worker, the shard bytes it had sent when it was first given an output
+    task. That is after the barrier, which flushed every send: every transfer's bytes. And it
+    is before any byte of a continuation: the scheduler gave the output tasks before it heard
+    of the kill, on the stream that then tells of the continuation."""
+
+    name = "bench-loss-first-unpack"
+
+    def __init__(self) -> None:
+        self.sent: int | None = None
+        self.worker: Any = None
+
+    def setup(self, worker: Any) -> None:
+        self.worker = worker
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        if self.sent is None and _output(key):
             self.sent = self.worker.plugins["rechunk-p2p"].totals().bytes_sent
-            self.at = time.time()
 
 
-def _first_unpack(dask_worker: Any) -> tuple[int | None, float | None]:
-    plugin = dask_worker.plugins[FirstUnpack.name]
-    return plugin.sent, plugin.at
+def _first_unpack(dask_worker: Any) -> int | None:
+    return dask_worker.plugins[FirstUnpack.name].sent
 
 
-def _arm(dask_scheduler: Any, pid: int) -> None:  # runs on the scheduler
-    killer = dask_scheduler.plugins[Killer.name]
-    killer.pid = pid
-    killer.kill_if_due()
-
-
-def _killed(dask_scheduler: Any) -> tuple[float | None, dict]:  # runs on the scheduler
-    killer = dask_scheduler.plugins[Killer.name]
-    return killer.killed_at, killer.progress
-
-
-def _after(dask_scheduler: Any) -> dict:  # runs on the scheduler
-    """Tasks computed since the kill, by kind, and the engine plugin's counters."""
-    counts = dict(dask_scheduler.plugins[ComputedCounter.name].counts)
+def _after(dask_scheduler: Any, killed_at: float) -> dict:  # runs on the scheduler
+    """Output and transfer tasks finished before and after the kill, and the engine plugin's
+    counters."""
+    counts = {"outputs": 0, "transfers": 0, "outputs_before": set(), "transfers_before": set()}
+    for at, kind, key in dask_scheduler.plugins[ComputedCounter.name].finished:
+        if at >= killed_at:
+            counts[kind] += 1
+        else:
+            counts[f"{kind}_before"].add(key)
+    counts["outputs_before"] = len(counts["outputs_before"])
+    counts["transfers_before"] = len(counts["transfers_before"])
     plugin = dask_scheduler.plugins["rechunk-p2p"]
     counts.update(
         continuations=plugin.continuations, restarts=plugin.restarts, runs=plugin.runs_created
@@ -205,10 +193,13 @@ def _bytes_sent(client: Client, workers: list[str]) -> int:
     return sum(client.run(sent, workers=workers).values())
 
 
-def one_run(variant: str, phase: str, nbytes: int, timeout: float) -> dict:
+def one_run(variant: str, phase: str, nbytes: int, timeout: float, scratch: Path) -> dict:
     import rechunk_p2p
 
     w = rows_to_columns(nbytes)
+    x = rechunk_p2p.rechunk(source_array(w), w.target_chunks)
+    killed = scratch / f"killed-{variant}"
+    killed.unlink(missing_ok=True)
     with (
         LocalCluster(
             n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
@@ -218,54 +209,43 @@ def one_run(variant: str, phase: str, nbytes: int, timeout: float) -> dict:
         client.wait_for_workers(3, timeout=120)
         rechunk_p2p.register(client)
         client.register_plugin(ComputedCounter())
-        client.register_plugin(Killer(phase))
+        client.register_plugin(OwnKill(phase, str(killed)))
         client.register_plugin(FirstUnpack())
         if variant == "restart":
             client.run_on_scheduler(_never_continue)
-        future = client.compute(checked(rechunk_p2p.rechunk(source_array(w), w.target_chunks), w))
+        future = client.compute(checked(x, w))
         deadline = time.monotonic() + timeout
-
-        def wait_for(what: str, done: Any) -> dict:
-            while True:
-                progress = client.run_on_scheduler(_progress)
-                if progress and done(progress):
-                    return progress
-                if time.monotonic() > deadline or future.done():
-                    raise RuntimeError(f"never reached {what}: {progress}")
-                time.sleep(0.005)
-
-        progress = wait_for("the run", lambda p: True)
-        victim = progress["victim"]
-        survivors = [a for a in client.scheduler_info()["workers"] if a != victim]
-        if phase == "transfer":  # as late as the client can take it, then the kill
-            sent_before = _bytes_sent(client, survivors)
-        pid = client.run(os.getpid, workers=[victim])[victim]
-        # armed before the barrier: the scheduler kills the victim in the transition that
-        # brings the run half way through the phase (a kill from the client came several
-        # round trips late, and the outputs were sometimes all done by then)
-        client.run_on_scheduler(_arm, pid=pid)
-        while (killed := client.run_on_scheduler(_killed))[0] is None:
+        while not (run := client.run_on_scheduler(_victim)):
             if time.monotonic() > deadline or future.done():
-                raise RuntimeError(f"never reached the {phase} phase to kill {victim}")
+                raise RuntimeError("never saw the run")
             time.sleep(0.005)
-        killed_at, progress = killed
+        victim = run["victim"]
+        survivors = [a for a in client.scheduler_info()["workers"] if a != victim]
+        if phase == "transfer":  # as late as the client can take it (checked below)
+            sent_before, read_at = _bytes_sent(client, survivors), time.time()
         ok = bool(future.result(timeout=max(deadline - time.monotonic(), 1)))
+        if not killed.exists():
+            raise RuntimeError(f"{victim} was never killed: the run finished first")
+        killed_at = float(killed.read_text())
         seconds = time.time() - killed_at
-        after = client.run_on_scheduler(_after)
+        after = client.run_on_scheduler(_after, killed_at=killed_at)
         sent_after = _bytes_sent(client, survivors)
+        if phase == "transfer" and read_at >= killed_at:
+            raise RuntimeError("the victim was killed before the survivors' bytes were read")
         if phase == "unpack":  # nothing is sent from the barrier until the kill
             firsts = client.run(_first_unpack, workers=survivors).values()
-            if any(sent is None or at >= killed_at for sent, at in firsts):
-                raise RuntimeError(f"a survivor began no output before the kill: {firsts}")
-            sent_before = sum(sent for sent, _ in firsts)
+            if None in firsts:
+                raise RuntimeError(f"a survivor was given no output task: {firsts}")
+            sent_before = sum(firsts)
     return {
         "variant": variant,
         "phase": phase,
         "ok": ok,
         "seconds_after_kill": round(seconds, 3),
-        "outputs_total": progress["outputs"],
-        "outputs_done_at_kill": progress["done"],
-        "transfers_done_at_kill": progress["transfers_done"],
+        "outputs_total": run["outputs"],
+        "outputs_done_at_kill": after["outputs_before"],
+        "victim_outputs": run["victim_outputs"],
+        "transfers_done_at_kill": after["transfers_before"],
         "outputs_after_kill": after["outputs"],
         "transfers_after_kill": after["transfers"],
         "bytes_sent_after_kill": sent_after - sent_before,
@@ -282,13 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     when = "after the barrier" if args.phase == "unpack" else "during the transfers"
     print(f"# {w.summary()}, 3 workers x 1 thread; owner killed {when}", flush=True)
     runs = []
-    for _ in range(args.repeat):
-        for variant in VARIANTS:
-            run = one_run(variant, args.phase, nbytes, args.timeout)
-            runs.append(run)
-            print(json.dumps(run), flush=True)
-    print("\n| variant | s after kill | outputs assembled after | transfers after | "
-          "shard bytes sent after |")
+    with tempfile.TemporaryDirectory(prefix="bench-loss-") as scratch:
+        for _ in range(args.repeat):
+            for variant in VARIANTS:
+                run = one_run(variant, args.phase, nbytes, args.timeout, Path(scratch))
+                runs.append(run)
+                print(json.dumps(run), flush=True)
+    print(
+        "\n| variant | s after kill | outputs assembled after | transfers after | "
+        "shard bytes sent after |"
+    )
     print("|---|---:|---:|---:|---:|")
     for variant in VARIANTS:
         mine = [r for r in runs if r["variant"] == variant]

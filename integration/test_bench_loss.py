@@ -22,5 +22,8 @@ def test_bench_loss_continues_and_sends_less_than_a_restart(
     assert (restarted["continuations"], restarted["restarts"], restarted["runs"]) == (0, 1, 2)
     # a restart sends every cross-worker shard again; a continuation only the moved outputs'
     assert 0 < kept["bytes_sent_after_kill"] < restarted["bytes_sent_after_kill"] / 2
-    assert kept["outputs_after_kill"] < kept["outputs_total"]
+    # outputs the survivors had finished stay finished: only pending and lost ones are assembled
+    # (a result in flight at the kill can count twice: it lands, then is lost with the victim)
+    pending = kept["outputs_total"] - kept["outputs_done_at_kill"]
+    assert pending <= kept["outputs_after_kill"] <= pending + kept["victim_outputs"]
     assert "| continue |" in capsys.readouterr().out
