@@ -1,6 +1,7 @@
 """The exception hierarchy of rechunk_p2p.
 
-Where it runs: pure. Every error raised by the library derives from
+Where it runs: pure (it imports only distributed's ``CommClosedError``, for
+:data:`BROKEN_CONNECTION`). Every error raised by the library derives from
 :class:`RechunkP2PError`; those a user would catch as a builtin also derive from it
 (``ValueError`` for bad input, ``TypeError`` for a wrong type, ``OSError`` for storage).
 """
