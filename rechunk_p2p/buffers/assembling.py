@@ -31,6 +31,7 @@ from rechunk_p2p.buffers.base import (
     check_shard,
     closed_error,
     copy_into_blocking,
+    pair_keys,
     touch_pages_blocking,
 )
 from rechunk_p2p.buffers.wire import Packed, unpack_blocking, unpack_blocks
@@ -121,14 +122,17 @@ class AssemblingMemoryStore:
             shape (the shards before it in the batch are stored).
         """
         batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
-        todo = self._begin([(output, input_) for output, input_, _ in batch])
+        outputs = [output for output, _, _ in batch]
+        inputs = [input_ for _, input_, _ in batch]
+        keys = pair_keys(outputs, inputs)
+        todo = self._begin(outputs, keys)
         done = 0
         try:
-            for target, input_, k in todo:
-                self._place_blocking(target, input_, batch[k][2])
+            for target, k in zip(*todo):
+                self._place_blocking(target, inputs[k], batch[k][2])
                 done += 1
         finally:
-            accepted = self._end(todo, done, [a.nbytes for _, _, a in batch])
+            accepted = self._end(todo, done, [a.nbytes for _, _, a in batch], keys, inputs)
         return accepted
 
     def write_blocks_blocking(
@@ -165,13 +169,14 @@ class AssemblingMemoryStore:
         blocks = np.ascontiguousarray(blocks)
         shape = blocks.shape[1:]
         nbytes = blocks[0].nbytes if len(blocks) else 0
-        todo = self._begin([(output, input_) for output in outputs])
+        keys = pair_keys(outputs, input_)
+        todo = self._begin(outputs, keys)
         source = None
         if 0 < nbytes <= SMALL_COPY_BYTES:
             source = memoryview(blocks.reshape(-1).view(np.uint8))
         done = 0
         try:
-            for target, _, k in todo:
+            for target, k in zip(*todo):
                 start = None if source is None else _run_start(target, input_, shape)
                 if start is None:
                     self._place_blocking(target, input_, blocks[k])
@@ -179,7 +184,8 @@ class AssemblingMemoryStore:
                     target.bytes[start : start + nbytes] = source[k * nbytes : (k + 1) * nbytes]
                 done += 1
         finally:
-            accepted = self._end(todo, done, [nbytes] * len(outputs))
+            n = len(outputs)
+            accepted = self._end(todo, done, [nbytes] * n, keys, [input_] * n)
         return accepted
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
@@ -194,39 +200,50 @@ class AssemblingMemoryStore:
                 accepted += self.write_blocks_blocking(packed.outputs, *regular)
         return accepted
 
-    def _begin(self, pairs: list[tuple[int, int]]) -> list[tuple[_Output, int, int]]:
-        """Admit ``(output, input)`` pairs, allocating outputs at their first shard; for
-        each new pair, ``(output, input, its index in pairs)``, counted as a copy in
-        progress into that output until :meth:`_end`."""
-        todo: list[tuple[_Output, int, int]] = []
+    def _begin(self, outputs: list[int], keys: list[int]) -> tuple[list[_Output], list[int]]:
+        """Admit the pairs of ``keys`` (:func:`pair_keys`; pair ``k`` is of output
+        ``outputs[k]``), allocating outputs at their first shard: for the new pairs, their
+        outputs and their indices ``k``, each counted as a copy in progress into its output
+        until :meth:`_end`. (Two lists, not a tuple per pair: the collector tracks tuples.)"""
+        targets: list[_Output] = []
+        chosen: list[int] = []
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write shards")
-            fresh = self._ledger.admit_many(pairs)
-            outputs = self._outputs
-            for k, (output, input_) in enumerate(pairs):
+            fresh = self._ledger.admit_keys(keys)
+            known = self._outputs
+            for k, output in enumerate(outputs):
                 if fresh is not None and not fresh[k]:
                     continue
-                target = outputs.get(output)
+                target = known.get(output)
                 if target is None:
                     target = self._new_output(output)
                 target.writing += 1
-                todo.append((target, input_, k))
-        return todo
+                targets.append(target)
+                chosen.append(k)
+        return targets, chosen
 
-    def _end(self, todo: list[tuple[_Output, int, int]], done: int, nbytes: list[int]) -> int:
-        """Account the first ``done`` copies of ``todo`` as stored (``nbytes[k]`` bytes for
-        pair ``k``) and give the rest back to the ledger (they may come again); the bytes
-        stored."""
+    def _end(
+        self,
+        todo: tuple[list[_Output], list[int]],
+        done: int,
+        nbytes: list[int],
+        keys: list[int],
+        inputs: list[int],
+    ) -> int:
+        """Account the first ``done`` copies of ``todo`` as stored (pair ``k``: ``nbytes[k]``
+        bytes from input ``inputs[k]``) and give the rest back to the ledger (they may come
+        again); the bytes stored."""
         accepted = 0
+        targets, chosen = todo
         with self._lock:
-            for n, (target, input_, k) in enumerate(todo):
+            for n, (target, k) in enumerate(zip(targets, chosen)):
                 target.writing -= 1
                 if n < done:
-                    target.placed.add(input_)
+                    target.placed.add(inputs[k])
                     target.shard_bytes += nbytes[k]
                     accepted += nbytes[k]
-            self._ledger.forget((t.output, i) for t, i, _ in todo[done:])
+            self._ledger.forget_keys(keys[k] for k in chosen[done:])
             self._ledger.stored(done, accepted)
             self._lock.notify_all()
         return accepted

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mmap
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -73,9 +73,25 @@ class StoreStatistics:
     bytes_spilled: int = 0
 
 
+#: A pair ``(output, input)`` is kept as the int ``output * _PAIR_BASE + input`` (inputs are
+#: flat chunk indices, far below it): an int is not tracked by the garbage collector, where a
+#: tuple per shard was (the 3-D workload stores 131,072 shards a worker, and young tuples
+#: made the collector run every few hundred of them).
+_PAIR_BASE = 1 << 40
+
+
+def pair_keys(
+    outputs: Sequence[int] | np.ndarray, inputs: int | Sequence[int] | np.ndarray
+) -> list[int]:
+    """The ledger's keys of the pairs ``(outputs[k], inputs[k])`` (or of one input)."""
+    keys = np.asarray(outputs, dtype=np.int64) * _PAIR_BASE
+    return (keys + np.asarray(inputs, dtype=np.int64)).tolist()
+
+
 class ShardLedger:
     """**Guarded by the owning store's lock** (not thread-safe on its own). The bookkeeping
     both stores share: which ``(output, input)`` pairs were stored, and the byte counters.
+    Pairs are taken as tuples, or as keys (:func:`pair_keys`) where a store has many.
     """
 
     __slots__ = (
@@ -89,7 +105,7 @@ class ShardLedger:
     )
 
     def __init__(self) -> None:
-        self._seen: set[tuple[int, int]] = set()
+        self._seen: set[int] = set()  # pair keys
         self.shards = 0
         self.duplicates = 0
         self.bytes_written = 0
@@ -103,27 +119,38 @@ class ShardLedger:
 
     def admit(self, output: int, input_: int) -> bool:
         """Whether the pair is new (and is now taken); a pair seen before counts a duplicate."""
-        key = (output, input_)
+        return self._admit_key(output * _PAIR_BASE + input_)
+
+    def _admit_key(self, key: int) -> bool:
         if key in self._seen:
             self.duplicates += 1
             return False
         self._seen.add(key)
         return True
 
-    def admit_many(self, pairs: list[tuple[int, int]]) -> list[bool] | None:
-        """:meth:`admit` for many pairs: ``None`` when every pair is new (the usual case,
-        decided without a Python step per pair), else whether each one is."""
-        if self._seen.isdisjoint(pairs):
+    def admit_many(self, pairs: Iterable[tuple[int, int]]) -> list[bool] | None:
+        """:meth:`admit` for many pairs: ``None`` when every pair is new (the usual case),
+        else whether each one is."""
+        return self.admit_keys([o * _PAIR_BASE + i for o, i in pairs])
+
+    def admit_keys(self, keys: list[int]) -> list[bool] | None:
+        """:meth:`admit_many` for pair keys (:func:`pair_keys`), decided without a Python
+        step per pair when every pair is new."""
+        if self._seen.isdisjoint(keys):
             before = len(self._seen)
-            self._seen.update(pairs)
-            if len(self._seen) - before == len(pairs):
+            self._seen.update(keys)
+            if len(self._seen) - before == len(keys):
                 return None
-            self._seen.difference_update(pairs)  # a pair repeated within the batch
-        return [self.admit(o, i) for o, i in pairs]
+            self._seen.difference_update(keys)  # a pair repeated within the batch
+        return [self._admit_key(k) for k in keys]
 
     def forget(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Give admitted pairs back (their write failed; a retry may store them)."""
-        self._seen.difference_update(pairs)
+        self._seen.difference_update(o * _PAIR_BASE + i for o, i in pairs)
+
+    def forget_keys(self, keys: Iterable[int]) -> None:
+        """:meth:`forget` for pair keys."""
+        self._seen.difference_update(keys)
 
     def stored(self, shards: int, nbytes: int) -> None:
         self.shards += shards

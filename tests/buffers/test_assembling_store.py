@@ -271,3 +271,33 @@ def test_blocks_that_do_not_fit_their_places_are_refused_by_name() -> None:
     out, missing = store.take_output_blocking(0)
     assert missing == [1, 2, 3] and (out[0] == 1).all()
     store.close_blocking()
+
+
+def test_a_batch_of_blocks_delivered_again_is_dropped_as_duplicates() -> None:
+    partial = _partial((4, 6), (1, 6), (4, 3))
+    data = np.arange(24, dtype="f8").reshape(4, 6)
+    store = _store(partial)
+    for input_ in range(4):
+        blocks = cut_regular_blocking(
+            data[input_ : input_ + 1], [[slice(0, 1)], [slice(0, 3), slice(3, 6)]]
+        )
+        assert store.write_blocks_blocking([0, 1], input_, blocks) == blocks.nbytes
+        assert store.write_blocks_blocking(np.array([1, 0]), input_, blocks) == 0  # again
+    assert store.statistics().duplicates == 8
+    for output in (0, 1):
+        out, missing = store.take_output_blocking(output)
+        assert missing == [] and np.array_equal(out, data[:, 3 * output : 3 * output + 3])
+    store.close_blocking()
+
+
+def test_the_ledger_takes_pairs_and_keys_alike() -> None:
+    from rechunk_p2p.buffers.base import ShardLedger, pair_keys
+
+    ledger = ShardLedger()
+    assert ledger.admit_many([(1, 2), (2, 1)]) is None  # all new
+    assert ledger.admit_keys(pair_keys([2, 1, 3], [1, 2, 1])) == [False, False, True]
+    assert ledger.admit_many([(4, 0), (4, 0)]) == [True, False]  # repeated within a batch
+    ledger.forget([(1, 2)])
+    ledger.forget_keys(pair_keys([3], 1))
+    assert ledger.admit(1, 2) and ledger.admit_keys(pair_keys([3], 1)) is None
+    assert not ledger.admit(2, 1) and ledger.duplicates == 4
