@@ -154,9 +154,7 @@ def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | N
     inputs, shapes = packed.inputs, packed.shapes
     if inputs.count(inputs[0]) != n or shapes.count(shapes[0]) != n:
         return None
-    need = n * int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize
-    if need != packed.nbytes:
-        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {need}")
+    _check_payload(packed, n * int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize)
     return inputs[0], packed.payload.view(dtype).reshape(n, *shapes[0])
 
 
@@ -169,10 +167,7 @@ def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
     else:
         sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
         sizes *= dtype.itemsize
-    if int(sizes.sum()) != packed.nbytes:
-        raise RechunkRunError(
-            f"Packed payload has {packed.nbytes} bytes, its shards {int(sizes.sum())}"
-        )
+    _check_payload(packed, int(sizes.sum()))
     return sizes
 
 
@@ -231,9 +226,7 @@ def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
     shapes = packed.shapes
     if shapes and all(s == shapes[0] for s in shapes):  # a regular cut: one reshape
         count = len(shapes) * int(np.prod(shapes[0], dtype=np.int64))
-        if count * dtype.itemsize != packed.nbytes:
-            need = count * dtype.itemsize
-            raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {need}")
+        _check_payload(packed, count * dtype.itemsize)
         arrays = packed.payload.view(dtype).reshape(len(shapes), *shapes[0])
         return list(zip(packed.outputs, packed.inputs, arrays))
     shards: list[Shard] = []
@@ -245,6 +238,11 @@ def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
         arr = packed.payload[offset : offset + n].view(dtype).reshape(shape)
         shards.append((out, inp, arr))
         offset += n
-    if offset != packed.nbytes:
-        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {offset}")
+    _check_payload(packed, offset)
     return shards
+
+
+def _check_payload(packed: Packed, need: int) -> None:
+    """Raise when ``packed``'s payload does not hold ``need`` bytes, its shards' total."""
+    if need != packed.nbytes:
+        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {need}")
