@@ -73,19 +73,25 @@ class StoreStatistics:
     bytes_spilled: int = 0
 
 
-#: A pair ``(output, input)`` is kept as the int ``output * _PAIR_BASE + input`` (inputs are
-#: flat chunk indices, far below it): an int is not tracked by the garbage collector, where a
-#: tuple per shard was (the 3-D workload stores 131,072 shards a worker, and young tuples
-#: made the collector run every few hundred of them).
-_PAIR_BASE = 1 << 40
+#: A pair ``(output, input)`` is kept as the int ``output * _PAIR_BASE + input``: an int is
+#: not tracked by the garbage collector, where a tuple per shard was (the 3-D workload stores
+#: 131,072 shards a worker, and young tuples made the collector run every few hundred of
+#: them). Flat chunk indices stay far below it (a task graph of 2**31 chunks does not fit in
+#: memory), and keys made with numpy stay within int64 (checked in :func:`pair_keys`).
+_PAIR_BASE = 1 << 32
 
 
 def pair_keys(
     outputs: Sequence[int] | np.ndarray, inputs: int | Sequence[int] | np.ndarray
 ) -> list[int]:
     """The ledger's keys of the pairs ``(outputs[k], inputs[k])`` (or of one input)."""
-    keys = np.asarray(outputs, dtype=np.int64) * _PAIR_BASE
-    return (keys + np.asarray(inputs, dtype=np.int64)).tolist()
+    outs = np.asarray(outputs, dtype=np.int64)
+    ins = np.asarray(inputs, dtype=np.int64)
+    if outs.size and (
+        outs.min() < 0 or outs.max() >= 1 << 31 or ins.min() < 0 or ins.max() >= _PAIR_BASE
+    ):
+        raise RechunkRunError("Chunk indices out of range for the shard ledger")
+    return (outs * _PAIR_BASE + ins).tolist()
 
 
 class ShardLedger:

@@ -301,3 +301,10 @@ def test_the_ledger_takes_pairs_and_keys_alike() -> None:
     ledger.forget_keys(pair_keys([3], 1))
     assert ledger.admit(1, 2) and ledger.admit_keys(pair_keys([3], 1)) is None
     assert not ledger.admit(2, 1) and ledger.duplicates == 4
+    # far outputs do not wrap onto near ones; indices past the keys' range are refused
+    assert ledger.admit_keys(pair_keys([2**31 - 1], 0)) is None
+    assert ledger.admit(2**31 - 1, 0) is False
+    with pytest.raises(RechunkRunError, match="out of range"):
+        pair_keys([2**31], 0)
+    with pytest.raises(RechunkRunError, match="out of range"):
+        pair_keys([0], 2**32)
