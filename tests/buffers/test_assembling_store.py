@@ -308,3 +308,20 @@ def test_the_ledger_takes_pairs_and_keys_alike() -> None:
         pair_keys([2**31], 0)
     with pytest.raises(RechunkRunError, match="out of range"):
         pair_keys([0], 2**32)
+
+
+def test_a_shard_placed_alike_in_outputs_of_other_layouts_lands_right() -> None:
+    """Consecutive outputs of a batch with one place for the input but rows of other widths:
+    the start found for the first must not be used for the second."""
+    shapes = {0: (2, 4), 1: (2, 5), 2: (2, 5)}
+    where = (slice(1, 2), slice(0, 4))
+    store = AssemblingMemoryStore(
+        np.dtype("f8"), "layouts", shapes.__getitem__, lambda flat: {0: where}
+    )
+    blocks = np.arange(12, dtype="f8").reshape(3, 1, 4)
+    assert store.write_blocks_blocking([0, 1, 2], 0, blocks) == blocks.nbytes
+    for output in (0, 1, 2):
+        out, missing = store.take_output_blocking(output)
+        assert missing == [] and out.shape == shapes[output]
+        np.testing.assert_array_equal(out[where], blocks[output])
+    store.close_blocking()
