@@ -79,6 +79,8 @@ class StoreStatistics:
 #: them). Flat chunk indices stay far below it (a task graph of 2**31 chunks does not fit in
 #: memory), and keys made with numpy stay within int64 (checked in :func:`pair_keys`).
 _PAIR_BASE = 1 << 32
+_MAX_OUTPUTS = 1 << 31
+_OUT_OF_RANGE = "Chunk indices out of range for the shard ledger"
 
 
 def pair_keys(
@@ -88,16 +90,16 @@ def pair_keys(
     outs = np.asarray(outputs, dtype=np.int64)
     ins = np.asarray(inputs, dtype=np.int64)
     if outs.size and (
-        outs.min() < 0 or outs.max() >= 1 << 31 or ins.min() < 0 or ins.max() >= _PAIR_BASE
+        outs.min() < 0 or outs.max() >= _MAX_OUTPUTS or ins.min() < 0 or ins.max() >= _PAIR_BASE
     ):
-        raise RechunkRunError("Chunk indices out of range for the shard ledger")
+        raise RechunkRunError(_OUT_OF_RANGE)
     return (outs * _PAIR_BASE + ins).tolist()
 
 
 class ShardLedger:
     """**Guarded by the owning store's lock** (not thread-safe on its own). The bookkeeping
     both stores share: which ``(output, input)`` pairs were stored, and the byte counters.
-    Pairs are taken as tuples, or as keys (:func:`pair_keys`) where a store has many.
+    Pairs are given as keys (:func:`pair_keys`).
     """
 
     __slots__ = (
@@ -125,6 +127,8 @@ class ShardLedger:
 
     def admit(self, output: int, input_: int) -> bool:
         """Whether the pair is new (and is now taken); a pair seen before counts a duplicate."""
+        if not (0 <= output < _MAX_OUTPUTS and 0 <= input_ < _PAIR_BASE):  # as pair_keys
+            raise RechunkRunError(_OUT_OF_RANGE)
         return self._admit_key(output * _PAIR_BASE + input_)
 
     def _admit_key(self, key: int) -> bool:
@@ -134,14 +138,9 @@ class ShardLedger:
         self._seen.add(key)
         return True
 
-    def admit_many(self, pairs: Iterable[tuple[int, int]]) -> list[bool] | None:
-        """:meth:`admit` for many pairs: ``None`` when every pair is new (the usual case),
-        else whether each one is."""
-        return self.admit_keys([o * _PAIR_BASE + i for o, i in pairs])
-
     def admit_keys(self, keys: list[int]) -> list[bool] | None:
-        """:meth:`admit_many` for pair keys (:func:`pair_keys`), decided without a Python
-        step per pair when every pair is new."""
+        """:meth:`admit` for many pairs, given as keys: ``None`` when every pair is new (the
+        usual case, decided without a Python step per pair), else whether each one is."""
         if self._seen.isdisjoint(keys):
             before = len(self._seen)
             self._seen.update(keys)
@@ -150,12 +149,8 @@ class ShardLedger:
             self._seen.difference_update(keys)  # a pair repeated within the batch
         return [self._admit_key(k) for k in keys]
 
-    def forget(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Give admitted pairs back (their write failed; a retry may store them)."""
-        self._seen.difference_update(o * _PAIR_BASE + i for o, i in pairs)
-
     def forget_keys(self, keys: Iterable[int]) -> None:
-        """:meth:`forget` for pair keys."""
+        """Give admitted pairs back (their write failed; a retry may store them)."""
         self._seen.difference_update(keys)
 
     def stored(self, shards: int, nbytes: int) -> None:

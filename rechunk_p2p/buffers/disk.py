@@ -39,6 +39,7 @@ from rechunk_p2p.buffers.base import (
     check_shard,
     closed_error,
     owned_array,
+    pair_keys,
     place_blocking,
 )
 from rechunk_p2p.buffers.wire import Packed, packed_sizes, unpack_blocking
@@ -193,7 +194,7 @@ class DiskShardStore:
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write shards")
-            admitted = self._ledger.admit_many(list(zip(outputs, inputs)))
+            admitted = self._ledger.admit_keys(pair_keys(outputs, inputs))
             shape_ids = self._shape_ids_locked(shapes)
         rows = np.empty(len(outputs), dtype=ENTRY)
         rows["output"], rows["input"], rows["nbytes"] = outputs, inputs, sizes
@@ -214,7 +215,7 @@ class DiskShardStore:
         views = _shard_views(payloads, rows["nbytes"])
         with self._lock:
             if self._closed:
-                self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
+                self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
                 raise closed_error(self.kind, self.name, "write shards")
             self._pending.append((rows, views))
             self._pending_bytes += total
@@ -249,7 +250,7 @@ class DiskShardStore:
         total = int(rows["nbytes"].sum())
         with self._lock:
             if self._closed:
-                self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
+                self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
                 raise closed_error(self.kind, self.name, "write shards")
             start = self._end
             self._end += total
@@ -260,7 +261,7 @@ class DiskShardStore:
             pwritev_all(fd, views, start)
         except OSError as exc:
             with self._lock:
-                self._ledger.forget(zip(rows["output"].tolist(), rows["input"].tolist()))
+                self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
                 self._release_locked()
             raise self._storage_error(exc, f"write {total} bytes of shards") from exc
         with self._lock:

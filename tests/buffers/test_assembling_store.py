@@ -294,10 +294,10 @@ def test_the_ledger_takes_pairs_and_keys_alike() -> None:
     from rechunk_p2p.buffers.base import ShardLedger, pair_keys
 
     ledger = ShardLedger()
-    assert ledger.admit_many([(1, 2), (2, 1)]) is None  # all new
+    assert ledger.admit_keys(pair_keys([1, 2], [2, 1])) is None  # all new
     assert ledger.admit_keys(pair_keys([2, 1, 3], [1, 2, 1])) == [False, False, True]
-    assert ledger.admit_many([(4, 0), (4, 0)]) == [True, False]  # repeated within a batch
-    ledger.forget([(1, 2)])
+    assert ledger.admit_keys(pair_keys([4, 4], [0, 0])) == [True, False]  # repeated in a batch
+    ledger.forget_keys(pair_keys([1], 2))
     ledger.forget_keys(pair_keys([3], 1))
     assert ledger.admit(1, 2) and ledger.admit_keys(pair_keys([3], 1)) is None
     assert not ledger.admit(2, 1) and ledger.duplicates == 4
@@ -308,6 +308,8 @@ def test_the_ledger_takes_pairs_and_keys_alike() -> None:
         pair_keys([2**31], 0)
     with pytest.raises(RechunkRunError, match="out of range"):
         pair_keys([0], 2**32)
+    with pytest.raises(RechunkRunError, match="out of range"):
+        ledger.admit(0, 2**32)
 
 
 def test_a_shard_placed_alike_in_outputs_of_other_layouts_lands_right() -> None:
