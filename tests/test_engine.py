@@ -162,16 +162,24 @@ def _wait_at_gate(block):
 
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
-    """GIL switch interval shortened and the heap frozen while a run is open on a worker of
-    this process; untouched before the first run and restored after the last one closes."""
+    """GIL switch interval shortened, the heap frozen and malloc's thresholds held while a
+    run is open on a worker of this process; untouched before the first run and restored
+    after the last one closes, the free memory given back from a thread of the offload pool."""
     import gc
     import sys
 
+    from rechunk_p2p.worker import plugin as plugin_module
+
+    malloc = plugin_module._tuning.malloc
+    trims = []
+    trim = malloc.trim_blocking
+    malloc.trim_blocking = lambda: (trims.append(threading.current_thread().name), trim())
     before = sys.getswitchinterval()
     frozen_before = gc.get_freeze_count()
     await rechunk_p2p.register(c)
     assert sys.getswitchinterval() == before  # plugins running, no run open
     assert gc.get_freeze_count() == frozen_before
+    assert malloc.held_mmap_threshold is None
     _TUNING_GATE.clear()
     x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
     y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_wait_at_gate, meta=x._meta)
@@ -180,6 +188,8 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
         await asyncio.sleep(0.005)
     assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
     assert gc.get_freeze_count() > frozen_before
+    if malloc.available:  # outputs of 20 elements: the threshold before, the top kept
+        assert malloc.held_mmap_threshold == malloc.before_mmap
     made_during_run = [[] for _ in range(1000)]  # tracked objects, made while the run is open
     frozen_open = gc.get_freeze_count()
     gc.collect()
@@ -192,6 +202,10 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
     assert gc.get_freeze_count() == frozen_before
     gc.collect()  # no longer freezes survivors
     assert gc.get_freeze_count() == frozen_before
+    del malloc.trim_blocking
+    assert malloc.held_mmap_threshold is None
+    if malloc.available:
+        assert len(trims) == 1 and trims[0] != threading.current_thread().name
 
 
 def _runs(worker) -> dict:

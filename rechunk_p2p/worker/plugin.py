@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,15 @@ from rechunk_p2p.errors import (
     StaleRunError,
 )
 from rechunk_p2p.offload import OffloadPool, from_thread
-from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunId, RunSpec, ShuffleId
+from rechunk_p2p.spec import (
+    METADATA_KEY,
+    PLUGIN_NAME,
+    RunId,
+    RunSpec,
+    ShuffleId,
+    ShuffleSpec,
+)
+from rechunk_p2p.worker.allocator import MallocTuning
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 
@@ -246,7 +255,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
             loop=dataplane.loop,
             closing=self._closing,
         )
-        _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
+        _tuning.acquire(
+            config.get("worker.gil-switch-interval"),
+            config.get("worker.gc-freeze"),
+            smallest_output(run_spec.spec) if config.get("worker.malloc-reuse") else None,
+        )
         run = WorkerRun(
             run_spec,
             self.worker.address,
@@ -507,6 +520,9 @@ class _ProcessTuning:
       run closes (at most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they
       are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for
       the 120,000-160,000 of a worker process after a 3-D rechunk).
+    - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`):
+      arrays smaller than the open runs' output chunks come from memory freed before
+      instead of fresh pages; the free memory is given back when the last run closes.
     """
 
     def __init__(self) -> None:
@@ -516,10 +532,15 @@ class _ProcessTuning:
         self._frozen = False
         #: survivors frozen since the first run opened (``_freeze_survivors`` adds to it)
         self.survivors_frozen = 0
+        self.malloc = MallocTuning()
 
-    def acquire(self, interval: Any, freeze: bool) -> None:
+    def acquire(self, interval: Any, freeze: bool, smallest_output: int | None = None) -> None:
+        """A run opens: apply the settings (``smallest_output``: bytes of the run's smallest
+        output chunk, to tune malloc for; ``None`` leaves malloc alone)."""
         with self._lock:
             self._users += 1
+            if smallest_output is not None:
+                self.malloc.hold(smallest_output)
             if self._users > 1:
                 return
             if interval is not None:
@@ -531,11 +552,13 @@ class _ProcessTuning:
                 gc.callbacks.append(_freeze_survivors)
                 self._frozen = True
 
-    def release(self) -> None:
+    def release(self) -> Callable[[], None] | None:
+        """A run closed; when it was the last, undo the settings. Returns blocking work to
+        run in a thread: giving back the memory malloc kept."""
         with self._lock:
             self._users -= 1
             if self._users:
-                return
+                return None
             if self._switch is not None:
                 sys.setswitchinterval(self._switch)
                 self._switch = None
@@ -543,6 +566,7 @@ class _ProcessTuning:
                 gc.callbacks.remove(_freeze_survivors)
                 gc.unfreeze()
                 self._frozen = False
+            return self.malloc.trim_blocking if self.malloc.release() else None
 
 
 def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
@@ -559,6 +583,13 @@ def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
 
 
 _tuning = _ProcessTuning()
+
+
+def smallest_output(spec: ShuffleSpec) -> int:
+    """Bytes of the smallest output chunk of ``spec``'s sub-shuffle (an axis of unknown
+    chunk sizes counts one element a chunk)."""
+    elements = math.prod(min(chunks, default=0) for chunks in spec.partial.new_chunks)
+    return elements * np.dtype(spec.dtype).itemsize
 
 
 def _checked(response: dict) -> dict:

@@ -129,7 +129,8 @@ class WorkerRun:
     comm
         The run's send buffer (confined to the data plane's loop).
     on_close
-        Called once when the run is closed (also when freeing its buffers failed).
+        Called once on the event loop when the run is closed (also when freeing its buffers
+        failed); may return blocking work to follow, which runs in ``offload``.
     recent_outputs
         Outputs assembled last that the run keeps a reference to (one per task thread is
         enough): an output whose task was cancelled by a continuation just after it was
@@ -145,7 +146,7 @@ class WorkerRun:
         dataplane: DataPlane,
         offload: OffloadPool,
         comm: CommBuffer,
-        on_close: Callable[[], None] | None = None,
+        on_close: Callable[[], Callable[[], None] | None] | None = None,
         recent_outputs: int = 4,
     ) -> None:
         self.run_spec = run_spec
@@ -578,8 +579,9 @@ class WorkerRun:
             try:
                 await self._offload.to_thread(self._store.close_blocking)
             finally:
-                if self._on_close is not None:
-                    self._on_close()
+                after = self._on_close() if self._on_close is not None else None
+                if after is not None:
+                    await self._offload.to_thread(after)
         return True
 
     def statistics(self) -> RunStatistics:
