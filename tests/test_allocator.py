@@ -8,6 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 
+from rechunk_p2p.buffers.base import OWN_PAGES_BYTES, empty_output
 from rechunk_p2p.worker.allocator import (
     GLIBC_DEFAULT_THRESHOLD,
     HELD_TOP_BYTES,
@@ -58,7 +59,7 @@ def worker_thresholds():
 
     def reset() -> None:
         tuning = MallocTuning(environ=WORKER_ENV)
-        tuning.hold(0)
+        tuning.hold()
         tuning.release()
         tuning.trim_blocking()
 
@@ -68,49 +69,58 @@ def worker_thresholds():
 
 
 @needs_glibc
-def test_held_thresholds_serve_arrays_below_the_output_size_from_the_heap(worker_thresholds):
+def test_held_thresholds_serve_arrays_up_to_32_mib_from_the_heap(worker_thresholds):
     assert _maps_own_pages(1 * MiB)
     tuning = MallocTuning(environ=WORKER_ENV)
-    tuning.release()  # not held: changes nothing
-    tuning.hold(4 * MiB)
+    assert not tuning.release()  # not held: changes nothing
+    tuning.hold()
     try:
-        assert tuning.held_mmap_threshold == 4 * MiB
+        assert tuning.held
         assert not _maps_own_pages(1 * MiB)  # an input chunk, a batch: from the heap
-        assert _maps_own_pages(4 * MiB)  # an output chunk: a mapping of its own
+        assert not _maps_own_pages(16 * MiB)
+        assert _maps_own_pages(MAX_MMAP_THRESHOLD + MiB)
     finally:
         assert tuning.release()
-    assert tuning.held_mmap_threshold is None
+    assert not tuning.held
     assert not tuning.release()
     tuning.trim_blocking()  # the top of the heap given back: a new array of a size no
     assert _maps_own_pages(3 * MiB)  # freed block holds is mapped again (128 KiB threshold)
 
 
+def _mapping_of(address: int) -> tuple[int, int] | None:
+    """The ``(start, end)`` of this process's mapping that holds ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return lo, hi
+    return None
+
+
 @needs_glibc
-def test_smaller_outputs_lower_the_threshold_never_below_the_one_before(worker_thresholds):
+@pytest.mark.parametrize("shape", [(1024, 32, 32), (300, 181), (3, 100)])
+def test_outputs_of_128_kib_or_more_are_mappings_of_their_own(worker_thresholds, shape):
     tuning = MallocTuning(environ=WORKER_ENV)
+    tuning.hold()  # as in a worker with a run open: malloc would serve them from the heap
     try:
-        tuning.hold(8 * MiB)
-        tuning.hold(2 * MiB)
-        assert tuning.held_mmap_threshold == 2 * MiB
-        tuning.hold(16 * MiB)  # a later run with larger outputs keeps the lower one
-        assert tuning.held_mmap_threshold == 2 * MiB
-        tuning.hold(1024)  # smaller than the worker's own threshold
-        assert tuning.held_mmap_threshold == GLIBC_DEFAULT_THRESHOLD
-        tuning.trim_blocking()
-        assert _maps_own_pages(5 * MiB)
+        out = empty_output(shape, np.dtype("f4"))
+        assert out.shape == shape and out.dtype == np.float32
+        assert out.flags.c_contiguous and out.flags.writeable
+        out[...] = 7
+        address = out.ctypes.data
+        if out.nbytes < OWN_PAGES_BYTES:
+            assert out.base is None
+            return
+        assert _mapping_of(address) is not None
+        del out
+        assert _mapping_of(address) is None  # unmapped when freed: back to the system
     finally:
         tuning.release()
 
 
-@needs_glibc
-def test_threshold_is_capped_at_what_glibc_accepts(worker_thresholds):
-    tuning = MallocTuning(environ=WORKER_ENV)
-    try:
-        tuning.hold(1 << 40)
-        assert tuning.held_mmap_threshold == MAX_MMAP_THRESHOLD
-        assert not _maps_own_pages(16 * MiB)
-    finally:
-        tuning.release()
+def test_empty_output_of_object_dtype():
+    out = empty_output((100_000,), np.dtype(object))
+    assert out.dtype == object and out.base is None
 
 
 class _RecordingLibc:
@@ -133,18 +143,25 @@ def test_release_sets_the_thresholds_read_from_the_environment():
         "MALLOC_TRIM_THRESHOLD_": "65536",
     }
     tuning = MallocTuning(libc=libc, environ=env)  # type: ignore[arg-type]
-    tuning.hold(4 * MiB)
-    tuning.hold(2 * MiB)
+    tuning.hold()
+    tuning.hold()  # held already
     assert tuning.release()
     tuning.trim_blocking()
     assert libc.calls == [
         ("mallopt", -1, HELD_TOP_BYTES),
-        ("mallopt", -3, 4 * MiB),
-        ("mallopt", -3, 2 * MiB),
+        ("mallopt", -3, MAX_MMAP_THRESHOLD),
         ("mallopt", -3, 0x40000),
         ("mallopt", -1, 65536),
         ("malloc_trim", 0, 0),
     ]
+
+
+def test_higher_thresholds_before_stay():
+    libc = _RecordingLibc()
+    env = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(2**30)}
+    tuning = MallocTuning(libc=libc, environ=env)  # type: ignore[arg-type]
+    tuning.hold()
+    assert libc.calls == [("mallopt", -1, 2**30), ("mallopt", -3, 2**30)]
 
 
 @pytest.mark.parametrize(
@@ -163,20 +180,3 @@ def test_release_sets_the_thresholds_read_from_the_environment():
 )
 def test_threshold_from_environment(env, name, expected):
     assert threshold_from_environment(env, name) == expected
-
-
-def test_smallest_output_of_a_run():
-    from rechunk_p2p.planning import make_partials
-    from rechunk_p2p.spec import ShuffleId, ShuffleSpec
-    from rechunk_p2p.worker.plugin import smallest_output
-
-    # float32 (3, 100): rows of two column blocks -> all rows in blocks of 60 and 40 columns
-    (partial,) = make_partials(((1, 1, 1), (50, 50)), ((3,), (60, 40)))
-    spec = ShuffleSpec(
-        shuffle_id=ShuffleId("t-0.0"),
-        partial=partial,
-        dtype=np.dtype("f4"),
-        storage="memory",
-        output_name="out",
-    )
-    assert smallest_output(spec) == 3 * 40 * 4

@@ -179,7 +179,7 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
     await rechunk_p2p.register(c)
     assert sys.getswitchinterval() == before  # plugins running, no run open
     assert gc.get_freeze_count() == frozen_before
-    assert malloc.held_mmap_threshold is None
+    assert not malloc.held
     _TUNING_GATE.clear()
     x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
     y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_wait_at_gate, meta=x._meta)
@@ -188,8 +188,7 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
         await asyncio.sleep(0.005)
     assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
     assert gc.get_freeze_count() > frozen_before
-    if malloc.available:  # outputs of 20 elements: the threshold before, the top kept
-        assert malloc.held_mmap_threshold == malloc.before_mmap
+    assert malloc.held == malloc.available
     made_during_run = [[] for _ in range(1000)]  # tracked objects, made while the run is open
     frozen_open = gc.get_freeze_count()
     gc.collect()
@@ -203,7 +202,7 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
     gc.collect()  # no longer freezes survivors
     assert gc.get_freeze_count() == frozen_before
     del malloc.trim_blocking
-    assert malloc.held_mmap_threshold is None
+    assert not malloc.held
     if malloc.available:
         assert len(trims) == 1 and trims[0] != threading.current_thread().name
 

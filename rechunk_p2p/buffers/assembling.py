@@ -31,6 +31,7 @@ from rechunk_p2p.buffers.base import (
     check_shard,
     closed_error,
     copy_into_blocking,
+    empty_output,
     pair_keys,
     touch_pages_blocking,
 )
@@ -296,7 +297,7 @@ class AssemblingMemoryStore:
 
     def _new_output(self, output: int) -> _Output:
         """Allocate output ``output`` (under the lock)."""
-        array = np.empty(self._output_shape(output), dtype=self.dtype)
+        array = empty_output(self._output_shape(output), self.dtype)
         touch_pages_blocking(array)
         target = _Output(output, array, self._placement(output))
         self._outputs[output] = target

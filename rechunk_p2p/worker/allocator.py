@@ -10,11 +10,14 @@ array of 128 KiB or more is a fresh ``mmap``, each of its pages is faulted in an
 the kernel on first write, and ``munmap``-ed when freed. A rechunk frees and allocates such
 arrays all the time (input chunks made by the tasks before it, batches received, cut
 buffers): on the 3-D workload, 470,000 page faults a worker and about a second of kernel time
-per worker and run. While a run is open, arrays smaller than the run's output chunks come
-from memory freed before (outputs, which outlive the run, are still mapped on their own, so
-freeing them later gives their memory back as before), and up to :data:`HELD_TOP_BYTES` free
-at the top of a heap are kept. When the last run closes, the thresholds in force before are
-set again and the free memory is given back (``malloc_trim``).
+per worker and run. While a run is open, arrays up to :data:`MAX_MMAP_THRESHOLD` come from
+memory freed before, and up to :data:`HELD_TOP_BYTES` free at the top of a heap are kept.
+Output chunks, which outlive the run, are mappings of their own
+(:func:`rechunk_p2p.buffers.base.empty_output`), so freeing them later gives their memory
+back as before. When the last run closes, the thresholds in force before are set again and
+the free memory is given back (``malloc_trim``). Arrays that other tasks make while a run is
+open and keep past it come from the heap too: memory they free later is given back to the
+system by the next run's ``malloc_trim`` (or by malloc itself at the top of a heap).
 
 Elsewhere than Linux with glibc, nothing is changed.
 """
@@ -92,7 +95,7 @@ class MallocTuning:
         self.before_trim = threshold_from_environment(env, "trim_threshold")
         self.before_mmap = threshold_from_environment(env, "mmap_threshold")
         self._lock = threading.Lock()
-        self._mmap: int | None = None  # the mmap threshold set while held
+        self._held = False
 
     @property
     def available(self) -> bool:
@@ -100,26 +103,23 @@ class MallocTuning:
         return self._libc is not None
 
     @property
-    def held_mmap_threshold(self) -> int | None:
-        """The mmap threshold set while runs are open; ``None`` when not held."""
+    def held(self) -> bool:
+        """Whether the thresholds are held (runs are open)."""
         with self._lock:
-            return self._mmap
+            return self._held
 
-    def hold(self, smallest_output: int) -> None:
-        """A run opens whose smallest output chunk is ``smallest_output`` bytes: arrays
-        below that size (at most :data:`MAX_MMAP_THRESHOLD`) come from freed memory until
-        :meth:`release`. Runs with smaller outputs lower the threshold; it never drops below
-        the one in force before."""
+    def hold(self) -> None:
+        """A run opens: arrays up to :data:`MAX_MMAP_THRESHOLD` come from freed memory, and
+        up to :data:`HELD_TOP_BYTES` free at the top of a heap are kept, until
+        :meth:`release` (the one in force before, when higher, stays)."""
         if self._libc is None:
             return
         with self._lock:
-            wanted = max(min(smallest_output, MAX_MMAP_THRESHOLD), self.before_mmap)
-            if self._mmap is None:
-                self._libc.mallopt(_M_TRIM_THRESHOLD, max(self.before_trim, HELD_TOP_BYTES))
-            elif wanted >= self._mmap:
+            if self._held:
                 return
-            self._libc.mallopt(_M_MMAP_THRESHOLD, wanted)
-            self._mmap = wanted
+            self._libc.mallopt(_M_TRIM_THRESHOLD, max(self.before_trim, HELD_TOP_BYTES))
+            self._libc.mallopt(_M_MMAP_THRESHOLD, max(self.before_mmap, MAX_MMAP_THRESHOLD))
+            self._held = True
 
     def release(self) -> bool:
         """The last run closed: set the thresholds in force before. Returns whether they had
@@ -127,11 +127,11 @@ class MallocTuning:
         if self._libc is None:
             return False
         with self._lock:
-            if self._mmap is None:
+            if not self._held:
                 return False
             self._libc.mallopt(_M_MMAP_THRESHOLD, self.before_mmap)
             self._libc.mallopt(_M_TRIM_THRESHOLD, self.before_trim)
-            self._mmap = None
+            self._held = False
             return True
 
     def trim_blocking(self) -> None:

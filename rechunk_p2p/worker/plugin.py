@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import math
 import os
 import sys
 import threading
@@ -47,7 +46,6 @@ from rechunk_p2p.spec import (
     RunId,
     RunSpec,
     ShuffleId,
-    ShuffleSpec,
 )
 from rechunk_p2p.worker.allocator import MallocTuning
 from rechunk_p2p.worker.dataplane import DataPlane
@@ -258,7 +256,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         _tuning.acquire(
             config.get("worker.gil-switch-interval"),
             config.get("worker.gc-freeze"),
-            smallest_output(run_spec.spec) if config.get("worker.malloc-reuse") else None,
+            config.get("worker.malloc-reuse"),
         )
         run = WorkerRun(
             run_spec,
@@ -521,8 +519,8 @@ class _ProcessTuning:
       are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for
       the 120,000-160,000 of a worker process after a 3-D rechunk).
     - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`):
-      arrays smaller than the open runs' output chunks come from memory freed before
-      instead of fresh pages; the free memory is given back when the last run closes.
+      arrays up to 32 MiB come from memory freed before instead of fresh pages; the free
+      memory is given back when the last run closes.
     """
 
     def __init__(self) -> None:
@@ -534,15 +532,16 @@ class _ProcessTuning:
         self.survivors_frozen = 0
         self.malloc = MallocTuning()
 
-    def acquire(self, interval: Any, freeze: bool, smallest_output: int | None = None) -> None:
-        """A run opens: apply the settings (``smallest_output``: bytes of the run's smallest
-        output chunk, to tune malloc for; ``None`` leaves malloc alone)."""
+    def acquire(self, interval: Any, freeze: bool, malloc: bool = False) -> None:
+        """A run opens: apply the settings (the GIL switch ``interval``, ``None`` to leave
+        it; whether to ``freeze`` survivors of collections; whether to hold ``malloc``'s
+        thresholds)."""
         with self._lock:
             self._users += 1
-            if smallest_output is not None:
-                self.malloc.hold(smallest_output)
             if self._users > 1:
                 return
+            if malloc:
+                self.malloc.hold()
             if interval is not None:
                 self._switch = sys.getswitchinterval()
                 sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
@@ -584,12 +583,6 @@ def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
 
 _tuning = _ProcessTuning()
 
-
-def smallest_output(spec: ShuffleSpec) -> int:
-    """Bytes of the smallest output chunk of ``spec``'s sub-shuffle (an axis of unknown
-    chunk sizes counts one element a chunk)."""
-    elements = math.prod(min(chunks, default=0) for chunks in spec.partial.new_chunks)
-    return elements * np.dtype(spec.dtype).itemsize
 
 
 def _checked(response: dict) -> dict:

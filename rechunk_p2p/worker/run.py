@@ -19,7 +19,7 @@ from dataclasses import astuple, dataclass, field
 import numpy as np
 
 from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
-from rechunk_p2p.buffers.base import Shard, ShardStore, place_blocking
+from rechunk_p2p.buffers.base import Shard, ShardStore, empty_output, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.cuts import CutBuffers
 from rechunk_p2p.buffers.split import SplitStore
@@ -397,7 +397,7 @@ class WorkerRun:
         ):  # filled as its shards came
             out, missing = store.take_output_blocking(flat)
             if out is None:
-                out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+                out = empty_output(partial.output_shape(flat), spec.dtype)
         else:
             out, missing = self._read_output_blocking(flat)
         if missing:
@@ -417,7 +417,7 @@ class WorkerRun:
         partial = spec.partial
         stacked = self._stacked_inputs(flat)
         if stacked is not None:  # the output is its shards one after another
-            out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+            out = empty_output(partial.output_shape(flat), spec.dtype)
             received = self._store.read_stacked_blocking(flat, out, stacked)
             if received == stacked:
                 return out, []
@@ -426,7 +426,7 @@ class WorkerRun:
             if spec.unknown_axes:
                 out, received = self._read_unknown_blocking(flat, placement)
             else:
-                out = np.empty(partial.output_shape(flat), dtype=spec.dtype)
+                out = empty_output(partial.output_shape(flat), spec.dtype)
                 received = self._store.read_into_blocking(flat, out, placement)
             if len(received) == len(placement) and set(received) == set(placement):
                 return out, []
@@ -459,7 +459,7 @@ class WorkerRun:
         if shards:
             like = shards[0][1].shape
             shape = tuple(like[a] if a in spec.unknown_axes else n for a, n in enumerate(shape))
-        out = np.empty(shape, dtype=spec.dtype)
+        out = empty_output(shape, spec.dtype)
         for input_, array in shards:
             if input_ in placement:
                 place_blocking(out, widen(placement[input_], spec.unknown_axes), array)
