@@ -207,6 +207,26 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
         assert len(trims) == 1 and trims[0] != threading.current_thread().name
 
 
+@gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.storage": "disk"})
+async def test_a_run_that_spills_leaves_malloc_alone(c, s, a, b):
+    from rechunk_p2p.worker import plugin as plugin_module
+
+    malloc = plugin_module._tuning.malloc
+    await rechunk_p2p.register(c)
+    _TUNING_GATE.clear()
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_wait_at_gate, meta=x._meta)
+    fut = c.compute(y)
+    while not any(_runs(w) for w in (a, b)):
+        await asyncio.sleep(0.005)
+    assert {r.storage for w in (a, b) for r in _runs(w).values()} == {"disk"}
+    assert not malloc.held
+    _TUNING_GATE.set()
+    await fut
+    del fut
+    await assert_clean(s, a, b)
+
+
 def _runs(worker) -> dict:
     plugin = worker.plugins.get("rechunk-p2p")
     return plugin.runs if plugin is not None else {}
