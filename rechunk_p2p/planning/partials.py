@@ -196,6 +196,46 @@ class Partial:
         cuts = [by_new.get(i, ([], [])) for by_new, i in zip(self._cuts_by_new, local)]
         return _pair_up(cuts, self.old_grid)
 
+    @cached_property
+    def _new_classes(self) -> tuple[dict[int, int], ...]:
+        """Per axis: new chunk index -> the first new chunk index cut from the same old
+        chunks at the same places of the new chunk (outputs alike on every axis have
+        their shards from the same inputs, at the same places)."""
+        classes = []
+        for by_new in self._cuts_by_new:
+            first: dict[tuple, int] = {}
+            classes.append(
+                {
+                    k: first.setdefault((tuple(old), tuple((s.start, s.stop) for s in sl)), k)
+                    for k, (old, sl) in by_new.items()
+                }
+            )
+        return tuple(classes)
+
+    @cached_property
+    def _placements(self) -> dict[NDIndex, dict[int, tuple[slice, ...]]]:
+        return {}
+
+    def output_placement(self, flat: int) -> dict[int, tuple[slice, ...]]:
+        """Where the shards of output chunk ``flat`` lie in it: ``{flat input index: slices of
+        the output chunk}``, as :meth:`shards_of_output` yields them.
+
+        Outputs alike on every axis share one mapping (all the time series of maps to time
+        series, all the column blocks of row blocks to column blocks): do not modify it.
+
+        >>> p = Partial((0, 0), (0, 0), (0, 0), ((1, 1), (4,)), ((2,), (2, 2)))
+        >>> p.output_placement(0) is p.output_placement(1)
+        True
+        >>> p.output_placement(1)
+        {0: (slice(0, 1, None), slice(0, 2, None)), 1: (slice(1, 2, None), slice(0, 2, None))}
+        """
+        local = _unravel(flat, self.new_grid)
+        key = tuple(c.get(i, -1) for c, i in zip(self._new_classes, local))
+        placement = self._placements.get(key)
+        if placement is None:  # (two threads may both build it: the same mapping)
+            placement = self._placements.setdefault(key, dict(self.shards_of_output(flat)))
+        return placement
+
     def stacked_inputs(self, flat: int) -> list[int] | None:
         """The inputs of output chunk ``flat`` in the order their shards lie one after another
         in the output's memory (C order), when they do; ``None`` when a shard is a strided

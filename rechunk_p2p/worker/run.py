@@ -422,7 +422,7 @@ class WorkerRun:
             if received == stacked:
                 return out, []
         else:
-            placement = dict(partial.shards_of_output(flat))
+            placement = partial.output_placement(flat)
             if spec.unknown_axes:
                 out, received = self._read_unknown_blocking(flat, placement)
             else:
@@ -430,7 +430,7 @@ class WorkerRun:
                 received = self._store.read_into_blocking(flat, out, placement)
             if len(received) == len(placement) and set(received) == set(placement):
                 return out, []
-        placement = dict(partial.shards_of_output(flat))
+        placement = partial.output_placement(flat)
         extra = sorted(set(received) - set(placement))
         if extra:
             raise RechunkRunError(

@@ -61,6 +61,7 @@ def run_partial(partial: Partial, inputs: dict, expected: dict) -> set:
         out = np.full(want.shape, -1, dtype=np.int64)
         count = np.zeros(want.shape, dtype=np.int64)
         pieces = list(partial.shards_of_output(flat))
+        assert partial.output_placement(flat) == dict(pieces)  # shared by alike outputs
         for in_flat, slices in pieces:
             shard = shards[in_flat, flat]  # KeyError: a shard nobody sent
             assert out[slices].shape == shard.shape  # no silent broadcasting
@@ -184,6 +185,7 @@ def test_partials_are_immutable_hashable_and_picklable(case):
         assert hash(p) == hash(q)
         for flat in range(min(p.n_outputs, 1)):
             list(p.shards_of_output(flat))  # fill the cached lookups before pickling
+            p.output_placement(flat)
         clone = pickle.loads(pickle.dumps(p))
         assert clone == p and hash(clone) == hash(p)
         for flat in range(p.n_inputs):
@@ -295,3 +297,18 @@ def test_assign_worker_examples():
     assert [assign_worker(i, 5, 2) for i in range(5)] == [0, 0, 0, 1, 1]
     assert [assign_worker(i, 3, 4, shift=3) for i in range(3)] == [3, 0, 1]
     assert [assign_worker(i, 4, 4, shift=1) for i in range(4)] == [1, 2, 3, 0]
+
+
+def test_outputs_alike_on_every_axis_share_their_placement():
+    # maps to time series: 4 steps of 8 x 8 -> 2 x 2 tiles of 4 x 4, all steps
+    (p,) = make_partials(((1,) * 4, (8,), (8,)), ((4,), (4, 4), (4, 4)))
+    assert p.n_outputs == 4
+    shared = p.output_placement(0)
+    assert all(p.output_placement(f) is shared for f in range(4))
+    assert shared == {t: (slice(t, t + 1), slice(0, 4), slice(0, 4)) for t in range(4)}
+    # uneven tiles: the last column block is narrower, so its outputs differ
+    (q,) = make_partials(((1,) * 4, (8,), (7,)), ((4,), (4, 4), (4, 3)))
+    assert q.output_placement(0) is q.output_placement(2)
+    assert q.output_placement(0) is not q.output_placement(1)
+    assert q.output_placement(1) == dict(q.shards_of_output(1))
+    assert q.output_placement(1)[2][2] == slice(0, 3)
