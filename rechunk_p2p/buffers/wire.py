@@ -35,17 +35,27 @@ class Packed:
         return int(self.payload.nbytes)
 
     def header(self) -> dict:
-        """The small part of the message (msgpack-friendly lists)."""
+        """The small part of the message (msgpack-friendly lists). A regular batch (one
+        input, one shape: :func:`pack_blocks`) names its input and shape once, instead of
+        once per shard (a batch of 4 KiB shards holds 512 of them)."""
+        n = len(self.outputs)
+        inputs, shapes = self.inputs, self.shapes
+        if n and inputs.count(inputs[0]) == n and shapes.count(shapes[0]) == n:
+            return {"outputs": list(self.outputs), "input": inputs[0], "shape": list(shapes[0])}
         return {
             "outputs": list(self.outputs),
-            "inputs": list(self.inputs),
-            "shapes": [list(s) for s in self.shapes],
+            "inputs": list(inputs),
+            "shapes": [list(s) for s in shapes],
         }
 
     @classmethod
     def from_message(cls, header: dict, payload: np.ndarray) -> Packed:
+        outputs = tuple(header["outputs"])
+        if "input" in header:
+            n = len(outputs)
+            return cls(outputs, (header["input"],) * n, (tuple(header["shape"]),) * n, payload)
         return cls(
-            tuple(header["outputs"]),
+            outputs,
             tuple(header["inputs"]),
             tuple(tuple(s) for s in header["shapes"]),
             payload,

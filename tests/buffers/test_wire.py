@@ -90,6 +90,32 @@ def test_message_header_roundtrip():
     np.testing.assert_array_equal(unpack_blocking(again, x.dtype)[0][2], x[:, 1:3])
 
 
+@pytest.mark.parametrize(
+    "shards",
+    [
+        [(0, 4, np.arange(6.0)), (1, 4, np.arange(6.0, 12))],  # regular: one input, one shape
+        [(0, 4, np.arange(6.0)), (1, 5, np.arange(6.0))],  # two inputs
+        [(0, 4, np.arange(6.0)), (1, 4, np.arange(3.0))],  # two shapes
+    ],
+)
+def test_header_names_a_regular_batch_s_input_and_shape_once(shards):
+    import msgpack
+
+    packed = pack_blocking(shards, np.dtype("f8"))
+    header = packed.header()
+    regular = len({i for _, i, _ in shards}) == 1 and len({a.shape for *_, a in shards}) == 1
+    assert ("input" in header) == regular and ("inputs" in header) != regular
+    again = Packed.from_message(msgpack.unpackb(msgpack.packb(header)), packed.payload)
+    assert (again.outputs, again.inputs, again.shapes) == (
+        packed.outputs,
+        packed.inputs,
+        packed.shapes,
+    )
+    for (o, i, a), (o2, i2, a2) in zip(shards, unpack_blocking(again, np.dtype("f8"))):
+        assert (o, i) == (o2, i2)
+        np.testing.assert_array_equal(a, a2)
+
+
 def test_truncated_payload_is_detected():
     x = np.arange(10.0)
     packed = pack_blocking([(0, 0, x)], x.dtype)
