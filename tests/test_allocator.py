@@ -176,6 +176,8 @@ def test_higher_thresholds_before_stay():
             2,
         ),
         ({"MALLOC_TRIM_THRESHOLD_": "lots"}, "trim_threshold", GLIBC_DEFAULT_THRESHOLD),
+        ({"MALLOC_TRIM_THRESHOLD_": str(2**40)}, "trim_threshold", 2**31 - 1),  # a C int
+        ({"MALLOC_TRIM_THRESHOLD_": "-5"}, "trim_threshold", 0),
     ],
 )
 def test_threshold_from_environment(env, name, expected):

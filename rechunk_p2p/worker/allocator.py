@@ -40,6 +40,8 @@ GLIBC_DEFAULT_THRESHOLD = 128 * 1024
 MAX_MMAP_THRESHOLD = 32 * 2**20
 #: Free memory kept at the top of a heap while runs are open
 HELD_TOP_BYTES = 64 * 2**20
+#: ``mallopt`` takes a C ``int`` (ctypes would wrap a larger value around)
+_INT_MAX = 2**31 - 1
 
 
 def load_glibc() -> ctypes.CDLL | None:
@@ -62,16 +64,17 @@ def load_glibc() -> ctypes.CDLL | None:
 def threshold_from_environment(environ: Mapping[str, str], name: str) -> int:
     """The threshold ``name`` (``"trim_threshold"``, ``"mmap_threshold"``) glibc read from the
     environment when the process started: ``GLIBC_TUNABLES`` or ``MALLOC_<NAME>_``, else its
-    default."""
+    default; within what ``mallopt`` takes (a C ``int``, not negative)."""
     value = environ.get(f"MALLOC_{name.upper()}_")
     for item in environ.get("GLIBC_TUNABLES", "").split(":"):
         key, _, setting = item.partition("=")
         if key == f"glibc.malloc.{name}":
             value = setting
     try:
-        return int(value, 0) if value else GLIBC_DEFAULT_THRESHOLD
+        threshold = int(value, 0) if value else GLIBC_DEFAULT_THRESHOLD
     except ValueError:
         return GLIBC_DEFAULT_THRESHOLD
+    return min(max(threshold, 0), _INT_MAX)
 
 
 class MallocTuning:

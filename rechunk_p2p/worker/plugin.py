@@ -40,13 +40,7 @@ from rechunk_p2p.errors import (
     StaleRunError,
 )
 from rechunk_p2p.offload import OffloadPool, from_thread
-from rechunk_p2p.spec import (
-    METADATA_KEY,
-    PLUGIN_NAME,
-    RunId,
-    RunSpec,
-    ShuffleId,
-)
+from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunId, RunSpec, ShuffleId
 from rechunk_p2p.worker.allocator import MallocTuning
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
@@ -583,7 +577,6 @@ def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
 
 
 _tuning = _ProcessTuning()
-
 
 
 def _checked(response: dict) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -33,6 +34,8 @@ from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunErr
 from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, widen
 from rechunk_p2p.worker.dataplane import DataPlane
+
+logger = logging.getLogger(__name__)
 
 
 class RunPhase(enum.Enum):
@@ -581,7 +584,10 @@ class WorkerRun:
             finally:
                 after = self._on_close() if self._on_close is not None else None
                 if after is not None:
-                    await self._offload.to_thread(after)
+                    try:
+                        await self._offload.to_thread(after)
+                    except RuntimeError:  # the pool was shut down: the worker is closing
+                        logger.debug("Run %s closed after the offload pool", self.run_id)
         return True
 
     def statistics(self) -> RunStatistics:
