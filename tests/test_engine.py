@@ -208,7 +208,7 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
 
 
 @gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.storage": "disk"})
-async def test_a_run_that_spills_leaves_malloc_alone(c, s, a, b):
+async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
     from rechunk_p2p.worker import plugin as plugin_module
 
     malloc = plugin_module._tuning.malloc

@@ -457,12 +457,24 @@ async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expe
     statistics show what it held: each worker at most the shards of its own outputs (half
     the array), within ``storage-memory-fraction`` of its memory limit. Past the budget, the
     outputs that fit it are still filled in memory and only the others' shards spilled."""
+    from rechunk_p2p.worker import plugin as plugin_module
+
+    malloc = plugin_module._tuning.malloc
+    holds = []
+    hold = malloc.hold
+    malloc.hold = lambda: (holds.append(1), hold())
     await rechunk_p2p.register(c)
     arr = np.arange(40 * 30).reshape(40, 30)
     x = da.from_array(arr, chunks=(1, 30))
-    with dask.config.set({"rechunk-p2p.storage-memory-fraction": fraction}):
-        check_result(await c.compute(rechunk_p2p.rechunk(x, (40, 3))), arr)
+    try:
+        with dask.config.set({"rechunk-p2p.storage-memory-fraction": fraction}):
+            check_result(await c.compute(rechunk_p2p.rechunk(x, (40, 3))), arr)
+    finally:
+        del malloc.hold
     await assert_clean(s, a, b)
+    # freed memory kept for the run where shards stay in memory, not for a run on disk
+    assert bool(holds) == (expected != "disk")
+    assert not malloc.held
     totals = [w.plugins[PLUGIN].totals() for w in (a, b)]
     held = [t.max_bytes_stored_in_memory for t in totals]
     spilled = [t.bytes_spilled for t in totals]

@@ -10,9 +10,10 @@ array of 128 KiB or more is a fresh ``mmap``, each of its pages is faulted in an
 the kernel on first write, and ``munmap``-ed when freed. A rechunk frees and allocates such
 arrays all the time (input chunks made by the tasks before it, batches received, cut
 buffers): on the 3-D workload, 470,000 page faults a worker and about a second of kernel time
-per worker and run. While a run that keeps its shards in memory is open (the worker plugin
-decides; runs that spill leave malloc alone), arrays up to :data:`MAX_MMAP_THRESHOLD` come from
-memory freed before, and up to :data:`HELD_TOP_BYTES` free at the top of a heap are kept.
+per worker and run. While a run that keeps shards in memory is open (the worker plugin
+decides; runs with ``storage: disk`` leave malloc alone), arrays up to
+:data:`MAX_MMAP_THRESHOLD` come from memory freed before, and up to :data:`HELD_TOP_BYTES`
+free at the top of a heap are kept.
 Output chunks, which outlive the run, are mappings of their own
 (:func:`rechunk_p2p.buffers.base.empty_output`), so freeing them later gives their memory
 back as before. When the last run closes, the thresholds in force before are set again and

@@ -250,8 +250,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         _tuning.acquire(
             config.get("worker.gil-switch-interval"),
             config.get("worker.gc-freeze"),
-            # not where memory is short: a heap keeps what it held at its fullest
-            storage == "memory" and config.get("worker.malloc-reuse"),
+            # not on disk, chosen to hold least: a heap keeps what it held at its fullest
+            storage in ("memory", "memory+disk") and config.get("worker.malloc-reuse"),
         )
         run = WorkerRun(
             run_spec,
@@ -514,8 +514,9 @@ class _ProcessTuning:
       are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for
       the 120,000-160,000 of a worker process after a 3-D rechunk).
     - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`), when
-      the first run keeps its shards in memory: arrays up to 32 MiB come from memory freed
-      before instead of fresh pages; the free memory is given back when the last run closes.
+      the first run keeps shards in memory (``memory``, ``memory+disk``): arrays up to
+      32 MiB come from memory freed before instead of fresh pages; the free memory is given
+      back when the last run closes.
     """
 
     def __init__(self) -> None:
