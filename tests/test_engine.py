@@ -160,6 +160,18 @@ def _wait_at_gate(block):
     return block
 
 
+async def _open_gated_run(c, a, b):
+    """Compute a rechunk whose outputs wait at ``_TUNING_GATE``; return its future once a
+    run is open on ``a`` or ``b``."""
+    _TUNING_GATE.clear()
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_wait_at_gate, meta=x._meta)
+    fut = c.compute(y)
+    while not any(_runs(w) for w in (a, b)):
+        await asyncio.sleep(0.005)
+    return fut
+
+
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
     """GIL switch interval shortened, the heap frozen and malloc's thresholds held while a
@@ -180,12 +192,7 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
     assert sys.getswitchinterval() == before  # plugins running, no run open
     assert gc.get_freeze_count() == frozen_before
     assert not malloc.held
-    _TUNING_GATE.clear()
-    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
-    y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_wait_at_gate, meta=x._meta)
-    fut = c.compute(y)
-    while not any(_runs(w) for w in (a, b)):
-        await asyncio.sleep(0.005)
+    fut = await _open_gated_run(c, a, b)
     assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
     assert gc.get_freeze_count() > frozen_before
     assert malloc.held == malloc.available
@@ -213,12 +220,7 @@ async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
 
     malloc = plugin_module._tuning.malloc
     await rechunk_p2p.register(c)
-    _TUNING_GATE.clear()
-    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
-    y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_wait_at_gate, meta=x._meta)
-    fut = c.compute(y)
-    while not any(_runs(w) for w in (a, b)):
-        await asyncio.sleep(0.005)
+    fut = await _open_gated_run(c, a, b)
     assert {r.storage for w in (a, b) for r in _runs(w).values()} == {"disk"}
     assert not malloc.held
     _TUNING_GATE.set()
