@@ -4,6 +4,11 @@ process's own glibc: whether an array is a mapping of its own is read from ``mal
 from __future__ import annotations
 
 import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,23 +73,48 @@ def worker_thresholds():
     reset()
 
 
+#: Run in a fresh process started as distributed starts a worker (MALLOC_TRIM_THRESHOLD_ set):
+#: in the test process, free chunks left in the heap by earlier tests would serve some
+#: arrays whatever the thresholds (malloc maps memory only when no free chunk fits).
+_HEAP_SCRIPT = """
+import json
+import numpy as np
+from tests.test_allocator import _maps_own_pages, MiB
+from rechunk_p2p.worker.allocator import MAX_MMAP_THRESHOLD, MallocTuning
+
+seen = {"before": _maps_own_pages(1 * MiB)}
+tuning = MallocTuning()
+seen["release unheld"] = tuning.release()
+tuning.hold()
+seen["held"] = tuning.held
+seen["held 1 MiB"] = _maps_own_pages(1 * MiB)
+seen["held 16 MiB"] = _maps_own_pages(16 * MiB)
+seen["held 33 MiB"] = _maps_own_pages(MAX_MMAP_THRESHOLD + MiB)
+seen["release"] = tuning.release()
+tuning.trim_blocking()
+# larger than the free chunks the held arrays left (1 and 16 MiB): the threshold decides
+seen["after 20 MiB"] = _maps_own_pages(20 * MiB)
+print(json.dumps(seen))
+"""
+
+
 @needs_glibc
-def test_held_thresholds_serve_arrays_up_to_32_mib_from_the_heap(worker_thresholds):
-    assert _maps_own_pages(1 * MiB)
-    tuning = MallocTuning(environ=WORKER_ENV)
-    assert not tuning.release()  # not held: changes nothing
-    tuning.hold()
-    try:
-        assert tuning.held
-        assert not _maps_own_pages(1 * MiB)  # an input chunk, a batch: from the heap
-        assert not _maps_own_pages(16 * MiB)
-        assert _maps_own_pages(MAX_MMAP_THRESHOLD + MiB)
-    finally:
-        assert tuning.release()
-    assert not tuning.held
-    assert not tuning.release()
-    tuning.trim_blocking()  # the top of the heap given back: a new array of a size no
-    assert _maps_own_pages(3 * MiB)  # freed block holds is mapped again (128 KiB threshold)
+def test_held_thresholds_serve_arrays_up_to_32_mib_from_the_heap():
+    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", _HEAP_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "before": True,  # the worker's fixed 128 KiB threshold: a mapping of its own
+        "release unheld": False,
+        "held": True,
+        "held 1 MiB": False,  # an input chunk, a batch: from the heap
+        "held 16 MiB": False,
+        "held 33 MiB": True,  # past the 32 MiB glibc accepts
+        "release": True,
+        "after 20 MiB": True,  # the threshold before, again
+    }
 
 
 def _mapping_of(address: int) -> tuple[int, int] | None:
