@@ -170,6 +170,29 @@ async def test_a_cut_buffer_is_used_again_once_its_batches_were_delivered(
 
 
 @gen_test()
+async def test_closing_the_last_run_after_the_offload_pool_stopped_gives_back_malloc(
+    seam, tmp_path
+):
+    # the worker is closing: its pool stopped between freeing the store and the trim after
+    # the last run; the run still closes, and malloc's thresholds are set back
+    malloc = plugin_module._tuning.malloc
+    async with seam("memory") as (_, _, plugins):
+        assert await transfer_all(plugins) == [1] * ROWS
+        assert malloc.held == malloc.available
+        runs = [p.runs[SHUFFLE] for p in plugins]
+        for plugin, run in zip(plugins, runs, strict=True):
+            release = run._on_close
+
+            def stop_pool_then_release(plugin=plugin, release=release):
+                plugin.offload.shutdown()
+                return release()
+
+            run._on_close = stop_pool_then_release
+        assert [await run.close() for run in runs] == [True, True]
+        assert not malloc.held
+
+
+@gen_test()
 async def test_a_close_overtaking_the_run_reply_leaves_no_run(seam, tmp_path):
     async with seam("disk") as (scheduler, _, plugins):
         scheduler.gate = asyncio.Event()
