@@ -188,7 +188,7 @@ class AssemblingMemoryStore:
                     if where is not None and where == last[0] and target.dims == last[1]:
                         start = last[2]
                     else:
-                        start = _run_start(target, input_, shape)
+                        start = _run_start(where, target.dims, shape)
                         last = (where, target.dims, start)
                 if start is None:
                     self._place_blocking(target, input_, blocks[k])
@@ -321,12 +321,15 @@ class AssemblingMemoryStore:
         copy_into_blocking(region, array)
 
 
-def _run_start(target: _Output, input_: int, shape: tuple[int, ...]) -> int | None:
-    """Where ``input_``'s shard (of ``shape``) starts in ``target``'s bytes, when its place
-    there is one contiguous run of them; ``None`` otherwise (not contiguous, or a place that
-    does not match ``shape``: the caller's general path raises for that)."""
-    where = target.placement.get(input_)
-    dims = target.dims
+def _run_start(
+    where: tuple[slice, ...] | None,
+    dims: tuple[tuple[int, int], ...],
+    shape: tuple[int, ...],
+) -> int | None:
+    """Where a shard of ``shape`` placed at ``where`` starts in the bytes of an output of
+    ``dims`` (its ``_Output.dims``), when that place is one contiguous run of them; ``None``
+    otherwise (no place, not contiguous, or a place that does not match ``shape``: the
+    caller's general path raises for that)."""
     if where is None or len(where) != len(dims) or len(shape) != len(dims):
         return None
     start = 0

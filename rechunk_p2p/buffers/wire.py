@@ -34,18 +34,25 @@ class Packed:
     def nbytes(self) -> int:
         return int(self.payload.nbytes)
 
-    def header(self) -> dict:
-        """The small part of the message (msgpack-friendly lists). A regular batch (one
-        input, one shape: :func:`pack_blocks`) names its input and shape once, instead of
-        once per shard (a batch of 4 KiB shards holds 512 of them)."""
+    @property
+    def regular(self) -> bool:
+        """Whether the batch has shards, all from one input and of one shape (a regular
+        cut's batch, as :func:`pack_blocks` makes it)."""
         n = len(self.outputs)
         inputs, shapes = self.inputs, self.shapes
-        if n and inputs.count(inputs[0]) == n and shapes.count(shapes[0]) == n:
-            return {"outputs": list(self.outputs), "input": inputs[0], "shape": list(shapes[0])}
+        return bool(n) and inputs.count(inputs[0]) == n and shapes.count(shapes[0]) == n
+
+    def header(self) -> dict:
+        """The small part of the message (msgpack-friendly lists). A :attr:`regular` batch
+        names its input and shape once, instead of once per shard (a batch of 4 KiB shards
+        holds 512 of them)."""
+        if self.regular:
+            shape = list(self.shapes[0])
+            return {"outputs": list(self.outputs), "input": self.inputs[0], "shape": shape}
         return {
             "outputs": list(self.outputs),
-            "inputs": list(inputs),
-            "shapes": [list(s) for s in shapes],
+            "inputs": list(self.inputs),
+            "shapes": [list(s) for s in self.shapes],
         }
 
     @classmethod
@@ -158,14 +165,11 @@ def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | N
     RechunkRunError
         The payload's size does not match the shards' shapes.
     """
-    n = len(packed.outputs)
-    if not n or dtype.hasobject:
+    if dtype.hasobject or not packed.regular:
         return None
-    inputs, shapes = packed.inputs, packed.shapes
-    if inputs.count(inputs[0]) != n or shapes.count(shapes[0]) != n:
-        return None
-    _check_payload(packed, n * int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize)
-    return inputs[0], packed.payload.view(dtype).reshape(n, *shapes[0])
+    n, shape = len(packed.outputs), packed.shapes[0]
+    _check_payload(packed, n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    return packed.inputs[0], packed.payload.view(dtype).reshape(n, *shape)
 
 
 def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:

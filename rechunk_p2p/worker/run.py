@@ -419,13 +419,13 @@ class WorkerRun:
         spec = self.run_spec.spec
         partial = spec.partial
         stacked = self._stacked_inputs(flat)
+        placement = partial.output_placement(flat)
         if stacked is not None:  # the output is its shards one after another
             out = empty_output(partial.output_shape(flat), spec.dtype)
             received = self._store.read_stacked_blocking(flat, out, stacked)
             if received == stacked:
                 return out, []
         else:
-            placement = partial.output_placement(flat)
             if spec.unknown_axes:
                 out, received = self._read_unknown_blocking(flat, placement)
             else:
@@ -433,7 +433,6 @@ class WorkerRun:
                 received = self._store.read_into_blocking(flat, out, placement)
             if len(received) == len(placement) and set(received) == set(placement):
                 return out, []
-        placement = partial.output_placement(flat)
         extra = sorted(set(received) - set(placement))
         if extra:
             raise RechunkRunError(
