@@ -208,6 +208,7 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         "wall_s": wall,
         "rss_peak_bytes": peaks.rss_bytes,
         "disk_peak_bytes": peaks.disk_bytes,
+        "worker_cpu_s": peaks.cpu_seconds,
         "spilled_bytes": None if delta is None else int(delta["bytes_spilled"]),
         "phases_s": None if delta is None else {
             k.removeprefix("seconds_"): v for k, v in delta.items() if k.startswith("seconds_")
@@ -252,6 +253,8 @@ def headline(run: dict[str, Any]) -> dict[str, float]:
         "rss_peak": max(run.get("rss_peak_bytes", {}).values(), default=0),
         "disk_peak": max(run.get("disk_peak_bytes", {}).values(), default=0),
         "spilled": run.get("spilled_bytes") or 0,
+        # CPU seconds of all worker processes together (runs before it was recorded: nan)
+        "cpu_s": sum(run["worker_cpu_s"].values()) if run.get("worker_cpu_s") else float("nan"),
     }
 
 
@@ -301,13 +304,14 @@ def format_table(meds: list[dict[str, Any]]) -> str:
         "RSS peak",
         "disk peak",
         "spilled",
+        "wrk CPU s",
     )
-    widths = (-18, -12, 5, 7, 6, 7, 8, 7, 8, 5, 5, 7, 8, 6, 6, 10, 10, 10)
+    widths = (-18, -12, 5, 7, 6, 7, 8, 7, 8, 5, 5, 7, 8, 6, 6, 10, 10, 10, 9)
     fmt = " ".join(f"{{:{'<' if w < 0 else '>'}{abs(w)}}}" for w in widths)
     lines = [fmt.format(*cols), "-" * 160]
     for m in meds:
         if not m["runs"]:
-            lines.append(fmt.format(m["workload"], m["impl"], f"0/{m['failed']}", *["-"] * 15))
+            lines.append(fmt.format(m["workload"], m["impl"], f"0/{m['failed']}", *["-"] * 16))
             continue
         lines.append(
             fmt.format(
@@ -329,12 +333,14 @@ def format_table(meds: list[dict[str, Any]]) -> str:
                 format_bytes(m["rss_peak"]),
                 format_bytes(m["disk_peak"]),
                 format_bytes(m["spilled"]) if m["spilled"] else "-",
+                f"{m['cpu_s']:.1f}",
             )
         )
     lines.append(
         "lag in ms; p50/p99/max over all processes; wrk = worst worker (wrk GC: longest "
         "garbage-collection pause); adj = worst "
-        "process after subtracting run-queue wait; RSS/disk = worst worker peak"
+        "process after subtracting run-queue wait; RSS/disk = worst worker peak; "
+        "wrk CPU s = CPU seconds of all worker processes together"
     )
     return "\n".join(lines)
 
@@ -343,9 +349,10 @@ def format_ratios(meds: list[dict[str, Any]], data_s: dict[str, float]) -> str:
     """rechunk_p2p's median wall time over each other implementation's, whole and with the
     data-only time taken from both (what the rechunk itself costs)."""
     lines = [
-        "rechunk_p2p / other, medians: wall time; and (wall - data only), the rechunk itself",
+        "rechunk_p2p / other, medians: wall time; and (wall - data only), the rechunk itself; "
+        "the workers' CPU seconds",
         f"{'workload':<18} {'other':<12} {'data s':>7} {'mine s':>7} {'other s':>7} "
-        f"{'wall':>7} {'rechunk':>8}",
+        f"{'wall':>7} {'rechunk':>8} {'CPU':>7}",
     ]
     by = {(m["workload"], m["impl"]): m for m in meds if m["runs"]}
     for (name, impl), m in by.items():
@@ -355,9 +362,10 @@ def format_ratios(meds: list[dict[str, Any]], data_s: dict[str, float]) -> str:
         data = data_s.get(name, float("nan"))
         own, other = mine["wall_s"] - data, m["wall_s"] - data
         rechunk = own / other if other > 0 else float("nan")
+        cpu = mine["cpu_s"] / m["cpu_s"] if m["cpu_s"] > 0 else float("nan")
         lines.append(
             f"{name:<18} {impl:<12} {data:7.1f} {mine['wall_s']:7.1f} {m['wall_s']:7.1f} "
-            f"{mine['wall_s'] / m['wall_s']:6.2f}x {rechunk:7.2f}x"
+            f"{mine['wall_s'] / m['wall_s']:6.2f}x {rechunk:7.2f}x {cpu:6.2f}x"
         )
     return "\n".join(lines)
 

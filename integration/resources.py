@@ -26,11 +26,15 @@ class ResourcePeaks:
         Peak bytes in each worker's local directory (spilled data, shuffle buffers).
     samples
         How many times memory was sampled.
+    cpu_seconds
+        CPU time (user + system, all threads) each worker process used while sampled: from
+        entering the sampler to leaving it, or to :meth:`ResourceSampler.peaks` if earlier.
     """
 
     rss_bytes: dict[str, int]
     disk_bytes: dict[str, int]
     samples: int
+    cpu_seconds: dict[str, float]
 
 
 def directory_bytes_blocking(path: str) -> int:
@@ -54,7 +58,8 @@ def directory_bytes_blocking(path: str) -> int:
 
 
 class ResourceSampler:
-    """**Thread-safe (guarded by `_lock`).** Samples RSS and disk use until stopped.
+    """**Thread-safe (guarded by `_lock`).** Samples RSS and disk use until stopped, and
+    counts the CPU time each worker process uses meanwhile.
 
     Parameters
     ----------
@@ -85,6 +90,8 @@ class ResourceSampler:
         self._rss = dict.fromkeys(pids, 0)
         self._disk = dict.fromkeys(directories, 0)
         self._samples = 0
+        self._cpu_start: dict[str, float] = {}
+        self._cpu_end: dict[str, float] = {}
         self._rss_interval = rss_interval
         self._disk_every = max(1, round(disk_interval / rss_interval))
         self._stop = threading.Event()
@@ -93,6 +100,7 @@ class ResourceSampler:
         )
 
     def __enter__(self) -> ResourceSampler:
+        self._cpu_start = self._cpu_blocking()
         self._thread.start()
         return self
 
@@ -100,6 +108,20 @@ class ResourceSampler:
         self._stop.set()
         self._thread.join()
         self._sample_blocking(disk=True)
+        cpu = self._cpu_blocking()
+        with self._lock:
+            self._cpu_end = cpu
+
+    def _cpu_blocking(self) -> dict[str, float]:
+        """Each worker process's CPU seconds so far (user + system); gone ones left out."""
+        out = {}
+        for addr, proc in self._procs.items():
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            out[addr] = times.user + times.system
+        return out
 
     def _run_blocking(self) -> None:
         i = 0
@@ -124,5 +146,7 @@ class ResourceSampler:
 
     def peaks(self) -> ResourcePeaks:
         """The peaks so far."""
+        end = self._cpu_end or self._cpu_blocking()
         with self._lock:
-            return ResourcePeaks(dict(self._rss), dict(self._disk), self._samples)
+            cpu = {a: end[a] - t for a, t in self._cpu_start.items() if a in end}
+            return ResourcePeaks(dict(self._rss), dict(self._disk), self._samples, cpu)

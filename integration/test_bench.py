@@ -21,6 +21,8 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert r["wall_s"] > 0
         assert r["lag"]["overall"]["samples"] > 0
         assert len(r["rss_peak_bytes"]) == 2 and min(r["rss_peak_bytes"].values()) > 10 * 2**20
+        # both workers generated and moved data while the clock ran
+        assert len(r["worker_cpu_s"]) == 2 and min(r["worker_cpu_s"].values()) > 0, r
     assert {m["impl"] for m in doc["medians"]} == set(bench.IMPLEMENTATIONS)
     workers = [
         {a: d for a, d in r["lag"]["distributed"].items() if d["server_type"] != "Scheduler"}
@@ -38,6 +40,8 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "2d-rows-to-cols" in out and "wall s" in out
     assert "rechunk_p2p per phase" in out and "floor/wall" in out
     assert "rechunk_p2p / other" in out and "dask-tasks" in out.split("rechunk_p2p / other")[1]
+    ratios = out.split("rechunk_p2p / other")[1].splitlines()
+    assert "CPU" in ratios[1] and ratios[2].count("x") == 3, ratios[:3]  # wall, rechunk, CPU
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 
