@@ -27,8 +27,9 @@ class ResourcePeaks:
     samples
         How many times memory was sampled.
     cpu_seconds
-        CPU time (user + system, all threads) each worker process used while sampled: from
-        entering the sampler to leaving it, or to :meth:`ResourceSampler.peaks` if earlier.
+        CPU time (user + system, all threads) each worker process used from entering the
+        sampler to :meth:`ResourceSampler.stop_cpu` (or to leaving it, or to
+        :meth:`ResourceSampler.peaks` if earlier).
     """
 
     rss_bytes: dict[str, int]
@@ -108,9 +109,15 @@ class ResourceSampler:
         self._stop.set()
         self._thread.join()
         self._sample_blocking(disk=True)
+        self.stop_cpu()
+
+    def stop_cpu(self) -> None:
+        """End the window of :attr:`ResourcePeaks.cpu_seconds` here (the first call counts):
+        when the clock stops, before work that is not timed (checking the outputs)."""
         cpu = self._cpu_blocking()
         with self._lock:
-            self._cpu_end = cpu
+            if not self._cpu_end:
+                self._cpu_end = cpu
 
     def _cpu_blocking(self) -> dict[str, float]:
         """Each worker process's CPU seconds so far (user + system); gone ones left out."""

@@ -140,3 +140,27 @@ def test_cpu_times_of_one_rechunk(capsys: pytest.CaptureFixture[str]) -> None:
         if v[0].isdigit()
     ]
     assert len(figures) == 6 and figures[0] + figures[2] > 0  # the workers worked
+
+
+def test_resource_sampler_counts_cpu_until_stop_cpu(tmp_path: Path) -> None:
+    """The CPU window ends at ``stop_cpu`` (where the benchmark's clock stops), not at exit:
+    work after it (checking the outputs) is not counted."""
+    import os
+
+    import psutil
+
+    from integration.resources import ResourceSampler
+
+    me = psutil.Process()
+
+    def burn(seconds: float) -> None:
+        start = sum(me.cpu_times()[:2])
+        while sum(me.cpu_times()[:2]) - start < seconds:
+            sum(range(10_000))
+
+    with ResourceSampler({"me": os.getpid()}, {"me": str(tmp_path)}) as sampler:
+        burn(0.2)
+        sampler.stop_cpu()
+        burn(0.6)
+    cpu = sampler.peaks().cpu_seconds["me"]
+    assert 0.2 <= cpu < 0.6, cpu
