@@ -148,6 +148,7 @@ def run_one(impl: str, w: Workload, args: argparse.Namespace, scratch: Path) -> 
         "wall_s": wall,
         "rss_peak_bytes": max(peaks.rss_bytes.values()),
         "disk_peak_bytes": max(peaks.disk_bytes.values()),
+        "worker_cpu_s": sum(peaks.cpu_seconds.values()),  # both workers, while timed
         "spilled_bytes": None if delta is None else int(delta["bytes_spilled"]),
         "phases_s": None if delta is None else {
             k.removeprefix("seconds_"): round(v, 2) for k, v in delta.items()
@@ -167,7 +168,7 @@ def healthy(run: dict[str, Any]) -> bool:
 def format_table(runs: list[dict[str, Any]], impls: list[str]) -> str:
     head = (
         f"{'impl':<12} {'ok/n':>5} {'wall s':>7} {'RSS peak':>10} {'disk peak':>10} "
-        f"{'spilled':>10} {'paused':>6} {'restarted':>9}"
+        f"{'spilled':>10} {'paused':>6} {'restarted':>9} {'wrk CPU s':>9}"
     )
     lines = [head, "-" * len(head)]
     for impl in impls:
@@ -184,12 +185,13 @@ def format_table(runs: list[dict[str, Any]], impls: list[str]) -> str:
             f"{impl:<12} {f'{len(good)}/{len(mine)}':>5} {med('wall_s'):7.1f} "
             f"{format_bytes(med('rss_peak_bytes')):>10} {format_bytes(med('disk_peak_bytes')):>10} "
             f"{format_bytes(med('spilled_bytes')) if med('spilled_bytes') else '-':>10} "
-            f"{max(r['most_paused'] for r in mine):>6} {max(r['restarted'] for r in mine):>9}"
+            f"{max(r['most_paused'] for r in mine):>6} {max(r['restarted'] for r in mine):>9} "
+            f"{med('worker_cpu_s'):9.1f}"
         )
     lines.append(
         "medians of the runs with a right result; RSS/disk: worst worker; paused: most workers "
         "paused at once by the memory monitor (worst run); restarted: workers restarted or lost "
-        "(worst run)"
+        "(worst run); wrk CPU s: CPU seconds of both worker processes while timed"
     )
     return "\n".join(lines)
 

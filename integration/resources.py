@@ -153,7 +153,9 @@ class ResourceSampler:
 
     def peaks(self) -> ResourcePeaks:
         """The peaks so far."""
-        end = self._cpu_end or self._cpu_blocking()
+        with self._lock:
+            end = self._cpu_end
+        end = end or self._cpu_blocking()  # (psutil reads outside the lock)
         with self._lock:
             cpu = {a: end[a] - t for a, t in self._cpu_start.items() if a in end}
             return ResourcePeaks(dict(self._rss), dict(self._disk), self._samples, cpu)

@@ -125,6 +125,7 @@ def test_larger_than_memory_command_small(tmp_path: Path) -> None:
         assert r["ok"] and r["error"] is None, r
         assert (r["most_paused"], r["restarted"]) == (0, 0)
         assert r["wall_s"] > 0 and r["rss_peak_bytes"] > 10 * 2**20
+        assert r["worker_cpu_s"] > 0, r
     assert scratch_dirs() <= before  # its stores and worker directories are gone
 
 
