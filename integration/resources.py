@@ -28,8 +28,8 @@ class ResourcePeaks:
         How many times memory was sampled.
     cpu_seconds
         CPU time (user + system, all threads) each worker process used from entering the
-        sampler to :meth:`ResourceSampler.stop_cpu` (or to leaving it, or to
-        :meth:`ResourceSampler.peaks` if earlier).
+        sampler to :meth:`ResourceSampler.stop` (or to :meth:`ResourceSampler.peaks` if
+        earlier).
     """
 
     rss_bytes: dict[str, int]
@@ -60,7 +60,8 @@ def directory_bytes_blocking(path: str) -> int:
 
 class ResourceSampler:
     """**Thread-safe (guarded by `_lock`).** Samples RSS and disk use until stopped, and
-    counts the CPU time each worker process uses meanwhile.
+    counts the CPU time each worker process uses meanwhile. ``stop`` and leaving the block
+    are called from the thread that entered it.
 
     Parameters
     ----------
@@ -106,18 +107,21 @@ class ResourceSampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """End the measured window here (the first call counts; leaving the block calls it
+        too): a last sample of memory and disk, and the CPU time so far. The benchmark
+        calls it when its clock stops, before work that is not timed (checking the
+        outputs)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join()
         self._sample_blocking(disk=True)
-        self.stop_cpu()
-
-    def stop_cpu(self) -> None:
-        """End the window of :attr:`ResourcePeaks.cpu_seconds` here (the first call counts):
-        when the clock stops, before work that is not timed (checking the outputs)."""
         cpu = self._cpu_blocking()
         with self._lock:
-            if not self._cpu_end:
-                self._cpu_end = cpu
+            self._cpu_end = cpu
 
     def _cpu_blocking(self) -> dict[str, float]:
         """Each worker process's CPU seconds so far (user + system); gone ones left out."""

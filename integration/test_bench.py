@@ -143,11 +143,12 @@ def test_cpu_times_of_one_rechunk(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(figures) == 6 and figures[0] + figures[2] > 0  # the workers worked
 
 
-def test_resource_sampler_counts_cpu_until_stop_cpu(tmp_path: Path) -> None:
-    """The CPU window ends at ``stop_cpu`` (where the benchmark's clock stops), not at exit:
-    work after it (checking the outputs) is not counted."""
+def test_resource_sampler_measures_until_stop(tmp_path: Path) -> None:
+    """The window ends at ``stop`` (where the benchmark's clock stops), not when the block
+    is left: CPU burnt and memory taken after it (checking the outputs) are not counted."""
     import os
 
+    import numpy as np
     import psutil
 
     from integration.resources import ResourceSampler
@@ -161,7 +162,12 @@ def test_resource_sampler_counts_cpu_until_stop_cpu(tmp_path: Path) -> None:
 
     with ResourceSampler({"me": os.getpid()}, {"me": str(tmp_path)}) as sampler:
         burn(0.2)
-        sampler.stop_cpu()
+        sampler.stop()
+        before = me.memory_info().rss
+        held = np.ones(256 * 2**20, dtype=np.uint8)  # touched: resident
         burn(0.6)
-    cpu = sampler.peaks().cpu_seconds["me"]
-    assert 0.2 <= cpu < 0.6, cpu
+        assert me.memory_info().rss > before + 200 * 2**20
+    peaks = sampler.peaks()
+    del held
+    assert 0.2 <= peaks.cpu_seconds["me"] < 0.6, peaks
+    assert peaks.rss_bytes["me"] < before + 100 * 2**20, (peaks, before)
