@@ -333,9 +333,9 @@ def empty_output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     :mod:`rechunk_p2p.worker.allocator`); an output of :data:`OWN_PAGES_BYTES` or more is
     therefore a private anonymous mapping of its own, unmapped when the array is freed, as
     malloc does for such arrays in a worker otherwise. No huge pages are advised (numpy
-    advises them for its own arrays from 4 MiB on): the kernel's default for advised
-    mappings is to compact memory to find them at the first touch, and with outputs so
-    advised the workers spent 2-3 times the kernel time on the benchmark's workloads.
+    advises them for its own arrays from 4 MiB on): with outputs so advised, the workers
+    spent 2-3 times the kernel time on the benchmark's workloads, on a VM (why is not
+    known: the kernel did not stall to compact memory, see docs/performance.md).
     """
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
