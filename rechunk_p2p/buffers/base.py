@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
+from rechunk_p2p.worker.allocator import GLIBC_DEFAULT_THRESHOLD
 
 if TYPE_CHECKING:
     from rechunk_p2p.buffers.wire import Packed
@@ -322,7 +323,7 @@ SMALL_COPY_BYTES = 256 * 2**10
 _PAGE = mmap.PAGESIZE
 #: Output chunks of at least this many bytes get pages of their own (glibc's default mmap
 #: threshold, which distributed's workers keep: see rechunk_p2p.worker.allocator)
-OWN_PAGES_BYTES = 128 * 1024
+OWN_PAGES_BYTES = GLIBC_DEFAULT_THRESHOLD
 
 
 def empty_output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -214,6 +214,7 @@ class Partial:
 
     @cached_property
     def _placements(self) -> dict[NDIndex, dict[int, tuple[slice, ...]]]:
+        """The placements built so far, by class of output (see :meth:`output_placement`)."""
         return {}
 
     def output_placement(self, flat: int) -> dict[int, tuple[slice, ...]]:
