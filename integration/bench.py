@@ -197,9 +197,7 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
             error = None if result else "wrong values in the outputs"
     del held
     stats1 = _engine_statistics(client, impl)
-    delta = (
-        None if stats0 is None or stats1 is None else {k: stats1[k] - stats0[k] for k in stats1}
-    )
+    delta = None if stats0 is None or stats1 is None else {k: stats1[k] - stats0[k] for k in stats1}
     report = probe.report
     peaks = sampler.peaks()
     return {
@@ -211,9 +209,9 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         "disk_peak_bytes": peaks.disk_bytes,
         "worker_cpu_s": peaks.cpu_seconds,
         "spilled_bytes": None if delta is None else int(delta["bytes_spilled"]),
-        "phases_s": None if delta is None else {
-            k.removeprefix("seconds_"): v for k, v in delta.items() if k.startswith("seconds_")
-        },
+        "phases_s": None
+        if delta is None
+        else {k.removeprefix("seconds_"): v for k, v in delta.items() if k.startswith("seconds_")},
         "bounds_broken": violations(report, LagBounds(max_ms=w.max_ms)) if report else None,
         "lag": report.to_dict() if report else None,
     }

@@ -150,8 +150,11 @@ def run_one(impl: str, w: Workload, args: argparse.Namespace, scratch: Path) -> 
         "disk_peak_bytes": max(peaks.disk_bytes.values()),
         "worker_cpu_s": sum(peaks.cpu_seconds.values()),  # both workers, while timed
         "spilled_bytes": None if delta is None else int(delta["bytes_spilled"]),
-        "phases_s": None if delta is None else {
-            k.removeprefix("seconds_"): round(v, 2) for k, v in delta.items()
+        "phases_s": None
+        if delta is None
+        else {
+            k.removeprefix("seconds_"): round(v, 2)
+            for k, v in delta.items()
             if k.startswith("seconds_")
         },
         "most_paused": health.most_paused,

@@ -224,9 +224,11 @@ def run_suite(suite: str, distributed_git: str | None = None, verbose: bool = Fa
             "--rootdir", str(directory),
         ]  # fmt: skip
         proc = subprocess.run(command, cwd=directory, env=env, capture_output=not verbose)
-        records = [json.loads(line) for line in results.read_text().splitlines()] if (
-            results.exists()
-        ) else []
+        records = (
+            [json.loads(line) for line in results.read_text().splitlines()]
+            if (results.exists())
+            else []
+        )
     return {
         "suite": suite,
         "exit_code": proc.returncode,

@@ -54,7 +54,6 @@ def rechunk_array(
     return build_rechunk(x, the_plan, token, storage, new_chunks=new, unknown_axes=unknown)
 
 
-
 def plan_array(
     x: da.Array,
     chunks: Any = "auto",

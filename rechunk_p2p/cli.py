@@ -205,7 +205,7 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--storage-options",
         type=_json_object,
-        help='fsspec options for s3://, gs://, ... URLs, as JSON: \'{"anon": true}\'',
+        help="fsspec options for s3://, gs://, ... URLs, as JSON: '{\"anon\": true}'",
     )
     p.add_argument(
         "--include-coords",

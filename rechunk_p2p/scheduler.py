@@ -413,9 +413,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             return False
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         others = [w for w in run.run_spec.workers if w != worker]
-        return bool(others) and all(
-            w in self.scheduler.workers and w in dataplanes for w in others
-        )
+        return bool(others) and all(w in self.scheduler.workers and w in dataplanes for w in others)
 
     def _continue_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
         """An owner left: continue the run without restarting it.
@@ -534,8 +532,9 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 continue  # every shard queued by a worker still there
             run.full_by.pop(i, None)
             chain = chains.get(i, [])
-            where = next((self._computed_on[t.key] for t in chain if t.key in self._computed_on),
-                         None)
+            where = next(
+                (self._computed_on[t.key] for t in chain if t.key in self._computed_on), None
+            )
             sent_all = not spec.lineage or i in spec.resend_all
             if chain and chain[0].state == "memory" and where not in (None, worker) and sent_all:
                 run.full_by[i] = where

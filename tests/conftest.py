@@ -33,8 +33,9 @@ async def assert_clean(scheduler, *workers, timeout: float = 5.0) -> None:
         if not active and not any(runs.values()) and not any(files.values()):
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"Left behind: scheduler runs {active}, worker runs {runs}, "
-                                 f"files {files}")
+            raise AssertionError(
+                f"Left behind: scheduler runs {active}, worker runs {runs}, files {files}"
+            )
         await asyncio.sleep(0.05)
 
 

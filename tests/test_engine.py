@@ -79,7 +79,8 @@ async def test_a_run_budget_bounds_each_workers_send_queue(c, s, a, b, storage):
     x = da.random.default_rng(2).random((400, 400), chunks=(10, 400))  # 32 KB inputs
     y = await _check(c, s, [a, b], x, (400, 10))
     specs = [
-        t.kwargs["spec"] for t in dict(y.__dask_graph__()).values()
+        t.kwargs["spec"]
+        for t in dict(y.__dask_graph__()).values()
         if getattr(t, "kwargs", None) and "spec" in t.kwargs
     ]
     assert specs and {spec.send_buffer_bytes for spec in specs} == {16 * 2**10}

@@ -79,7 +79,7 @@ def _scheduler_state(dask_scheduler) -> dict:
         if isinstance(key, str) and key.startswith("rechunk_p2p-barrier-")
     }
     runs = []
-    for run in (plugin.active.values() if plugin else ()):
+    for run in plugin.active.values() if plugin else ():
         spec = run.run_spec
         owners = {spec.worker_for(flat) for flat in spec.spec.outputs}
         runs.append({"workers": list(spec.workers), "owners": sorted(owners)})

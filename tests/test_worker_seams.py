@@ -152,9 +152,7 @@ async def test_one_thread_cutting_input_after_input_keeps_each_batch_it_has_not_
 
 @pytest.mark.parametrize("storage", ["memory", "disk"])
 @gen_test()
-async def test_a_cut_buffer_is_used_again_once_its_batches_were_delivered(
-    seam, tmp_path, storage
-):
+async def test_a_cut_buffer_is_used_again_once_its_batches_were_delivered(seam, tmp_path, storage):
     with dask.config.set({"rechunk-p2p.comm.message-bytes-limit": 1}):  # send every batch
         async with seam(storage) as (_, _, plugins):
             a, b = plugins
@@ -463,6 +461,7 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
             for flat in range(SIX):
                 out = await unpack(by_address[spec.worker_for(flat)], flat, 2)
                 np.testing.assert_array_equal(out, expected_output(flat, SIX))
+
             # what crossed again: shards of moved outputs (new to their owners), and the other
             # shards of c's inputs (c had delivered them: dropped as duplicates); new bytes
             # crossed where the survivor that cut a shard does not own it

@@ -476,9 +476,7 @@ class DiskShardStore:
         for region, buffer in staged:
             region[...] = buffer
 
-    def _read_entries_blocking(
-        self, fd: int, rows: np.ndarray
-    ) -> list[tuple[int, np.ndarray]]:
+    def _read_entries_blocking(self, fd: int, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """Allocate one buffer per entry and fill them, coalescing adjacent entries; the
         pairs in the order of ``rows`` (by input)."""
         result: list[tuple[int, np.ndarray]] = []

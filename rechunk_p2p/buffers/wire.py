@@ -141,9 +141,7 @@ def cut_regular_blocking(
     return blocks.reshape(-1, *lengths)
 
 
-def pack_blocks(
-    outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.dtype
-) -> Packed:
+def pack_blocks(outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.dtype) -> Packed:
     """Shards ``blocks[i]`` (of output ``outputs[i]``, all from ``input_``) as one batch.
 
     ``blocks`` is C-contiguous (a slice of :func:`cut_regular_blocking`'s result): the payload

@@ -376,8 +376,7 @@ def _lag_text(lag: tuple[float, float, int] | None) -> str:
         return "  event-loop lag: not measured"
     p99, worst, workers = lag
     return (
-        f"  event-loop lag: p99 {p99:.1f} ms, max {worst:.1f} ms "
-        f"(scheduler and {workers} workers)"
+        f"  event-loop lag: p99 {p99:.1f} ms, max {worst:.1f} ms (scheduler and {workers} workers)"
     )
 
 
@@ -598,7 +597,7 @@ def _require_main_guard() -> None:
         raise ClusterError(
             f"{os.path.basename(path)} line {frame.f_lineno}: rechunk_zarr starts a local "
             "cluster whose worker processes re-run this script from the top; put the call "
-            "under `if __name__ == \"__main__\":`, or pass client= (a Client or an address)"
+            'under `if __name__ == "__main__":`, or pass client= (a Client or an address)'
         )
 
 

@@ -252,8 +252,7 @@ class RechunkPlan:
             ("engine", "rechunk_p2p (P2P shuffle)"),
             (
                 "chunks",
-                f"{_chunk_summary(self.old_chunks)} -> "
-                f"{_chunk_summary(self.new_chunks)}",
+                f"{_chunk_summary(self.old_chunks)} -> {_chunk_summary(self.new_chunks)}",
             ),
         ]
         if self.unknown_axes:

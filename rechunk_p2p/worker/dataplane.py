@@ -202,4 +202,3 @@ def _bind_error(host: str, port: int) -> OSError | None:
         except OSError as e:
             return e
     return None
-

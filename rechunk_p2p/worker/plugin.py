@@ -241,7 +241,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
             ),
             name=f"Rechunk {shuffle_id} (run {run_id}) on {self.worker.address}",
             run_limiter=(
-                None if run_spec.spec.send_buffer_bytes is None
+                None
+                if run_spec.spec.send_buffer_bytes is None
                 else ByteLimiter(run_spec.spec.send_buffer_bytes)
             ),
             loop=dataplane.loop,

@@ -181,9 +181,7 @@ class WorkerRun:
         # (recent_outputs is the worker's number of task threads: a thread's buffer is free
         # again about two inputs later, when that input's batches were delivered); the idle
         # ones stay within the worker's send buffer (comm.buffer-bytes-limit)
-        self._cuts = CutBuffers(
-            max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit
-        )
+        self._cuts = CutBuffers(max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit)
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -248,7 +246,8 @@ class WorkerRun:
         data = np.asarray(data)
         expected = partial.input_shape(flat)
         if data.ndim != len(expected) or any(
-            n != e for a, (n, e) in enumerate(zip(data.shape, expected))
+            n != e
+            for a, (n, e) in enumerate(zip(data.shape, expected))
             if a not in spec.unknown_axes
         ):
             raise RechunkRunError(

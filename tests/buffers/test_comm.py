@@ -278,7 +278,11 @@ async def test_a_put_waiting_for_room_gives_up_when_the_worker_closes():
     send.release.clear()  # sends stay in flight: the buffer stays full
     closing = False
     comm = CommBuffer(
-        send, ByteLimiter(100), asyncio.Semaphore(1), 100, NO_RETRY_DELAY,
+        send,
+        ByteLimiter(100),
+        asyncio.Semaphore(1),
+        100,
+        NO_RETRY_DELAY,
         closing=lambda: closing,
     )
     await put_all(comm, {"a": [shard(0, 1)]})
