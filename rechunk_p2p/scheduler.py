@@ -17,6 +17,7 @@ from distributed.core import error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
+from rechunk_p2p import config
 from rechunk_p2p.errors import BROKEN_CONNECTION, ClusterError, StaleRunError
 from rechunk_p2p.spec import (
     METADATA_KEY,
@@ -118,6 +119,36 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         await scheduler.register_worker_plugin(
             None, dumps(RechunkWorkerPlugin()), name=PLUGIN_NAME, idempotent=True
         )
+
+    # --- graph submission -----------------------------------------------------------------
+
+    def update_graph(self, scheduler: Any, *, tasks: Any = None, **kwargs: Any) -> None:
+        """Hand a new graph's root transfer tasks to the workers at once.
+
+        A transfer task whose input is made inside it (dask fused the input's own task into
+        it) has no dependencies, so distributed treats it as a root task and, with its
+        root-task queuing, gives each worker only ``worker-saturation`` times its threads of
+        them at a time, the next one a scheduler round trip after one finished. Queuing
+        keeps root tasks from making data faster than it is used; a transfer's result is a
+        run id and its shards wait under the engine's own send buffer limit, so queuing only
+        adds the round trips. Each such task is therefore restricted to one running worker,
+        in priority order, one worker after the other (weighted by threads), up to
+        ``scheduler.assign-transfers`` a worker; the restriction is loose (another worker
+        takes the task when its worker leaves, and work stealing may move it). Called by
+        the scheduler before it transitions the new tasks; tasks with restrictions of their
+        own, or beyond the limit, are left to distributed.
+        """
+        limit = int(config.get("scheduler.assign-transfers"))
+        if limit <= 0 or not tasks:
+            return
+        pins = assign_round_robin(
+            [ts for key in tasks if (ts := _root_transfer(scheduler, key)) is not None],
+            {ws.address: ws.nthreads for ws in scheduler.running},
+            limit,
+        )
+        for key in pins:
+            scheduler.tasks[key].loose_restrictions = True
+        scheduler.set_restrictions(pins)
 
     # --- handlers -------------------------------------------------------------------------
 
@@ -592,6 +623,54 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self._computed_on.clear()
+
+
+def _root_transfer(scheduler: Any, key: Any) -> Any:
+    """The task of ``key`` if it is a new transfer with no dependencies and no restrictions
+    (its input made inside it); else ``None``."""
+    if TRANSFER_PREFIX not in _key_name(key):
+        return None
+    ts = scheduler.tasks.get(key)
+    if (
+        ts is None
+        or ts.state != "released"
+        or ts.run_spec is None
+        or ts.dependencies
+        or ts.worker_restrictions
+        or ts.host_restrictions
+        or ts.resource_restrictions
+    ):
+        return None
+    return ts
+
+
+def assign_round_robin(
+    tasks: list[Any], threads: dict[str, int], limit: int
+) -> dict[Any, set[str]]:
+    """Keys of ``tasks`` (with ``.key`` and ``.priority``) -> the one worker each is given:
+    in priority order, the workers in turn (sorted by address), each as many tasks in a
+    turn as it has threads, at most ``limit`` a worker; tasks beyond that get none.
+
+    >>> class T:
+    ...     def __init__(self, key, priority): self.key, self.priority = key, priority
+    >>> assign_round_robin([T("c", 3), T("a", 1), T("b", 2)], {"w1": 1, "w2": 2}, 10)
+    {'a': {'w1'}, 'b': {'w2'}, 'c': {'w2'}}
+    >>> assign_round_robin([T("a", 1), T("b", 2), T("c", 3)], {"w1": 1}, 2)
+    {'a': {'w1'}, 'b': {'w1'}}
+    """
+    turn = [w for w in sorted(threads) for _ in range(max(threads[w], 1))]
+    if not turn:
+        return {}
+    given = dict.fromkeys(threads, 0)
+    pins: dict[Any, set[str]] = {}
+    slots = itertools.cycle(turn)
+    for ts in sorted(tasks, key=lambda ts: ts.priority):
+        if len(pins) >= limit * len(threads):
+            break
+        worker = next(w for w in slots if given[w] < limit)
+        given[worker] += 1
+        pins[ts.key] = {worker}
+    return pins
 
 
 def _transfer_chain(dependency: Any) -> list[Any]:

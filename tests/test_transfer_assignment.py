@@ -1,0 +1,162 @@
+"""Root transfer tasks are handed to the workers when the graph arrives, not a few at a time.
+
+The scheduler plugin restricts each transfer task whose input is made inside it to one
+worker (loosely), so distributed's root-task queuing does not hold them back; see
+:meth:`rechunk_p2p.scheduler.RechunkSchedulerPlugin.update_graph`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import dask.array as da
+import numpy as np
+from distributed import SchedulerPlugin
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from rechunk_p2p.scheduler import _root_transfer, assign_round_robin
+from rechunk_p2p.spec import TRANSFER_PREFIX
+
+#: one worker of one thread, one of two; no stealing, so each task runs where it was put
+CLUSTER = {
+    "client": True,
+    "nthreads": [("127.0.0.1", 1), ("127.0.0.1", 2)],
+    "config": {"distributed.scheduler.work-stealing": False},
+}
+
+
+def _fill(block_info=None):
+    """A block made inside its task (no dependencies): its row indices."""
+    (r0, r1), (c0, c1) = block_info[None]["array-location"]
+    return np.add.outer(np.arange(r0, r1) * 1000.0, np.arange(c0, c1))
+
+
+def _source() -> da.Array:
+    """32 row blocks made by their own tasks, which dask fuses into the transfers."""
+    return da.map_blocks(_fill, chunks=((2,) * 32, (40,)), dtype=float)
+
+
+def _expected() -> np.ndarray:
+    return np.add.outer(np.arange(64) * 1000.0, np.arange(40))
+
+
+class TransferLog(SchedulerPlugin):
+    """Each transfer task's state before processing, restrictions and worker."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.seen: dict = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        name = key[0] if isinstance(key, tuple) else str(key)
+        if finish != "processing" or TRANSFER_PREFIX not in name:
+            return
+        ts = self.scheduler.tasks[key]
+        restricted = frozenset(ts.worker_restrictions or ())
+        where = ts.processing_on.address
+        self.seen.setdefault(key, (start, restricted, ts.loose_restrictions, where))
+
+
+async def _rechunk_logged(c, s) -> TransferLog:
+    await rechunk_p2p.register(c)  # before the graph: an asynchronous client must
+    log = TransferLog(s)
+    s.add_plugin(log, name="transfer-log")
+    y = rechunk_p2p.rechunk(_source(), (64, 4))
+    np.testing.assert_array_equal(await c.compute(y), _expected())
+    assert len(log.seen) == 32, "every input is one transfer task"
+    return log
+
+
+@gen_cluster(**CLUSTER)
+async def test_root_transfers_go_to_the_workers_in_turn_by_threads(c, s, a, b):
+    log = await _rechunk_logged(c, s)
+    for start, restricted, loose, where in log.seen.values():
+        assert start != "queued"  # not held back by root-task queuing
+        assert len(restricted) == 1 and loose, (restricted, loose)
+        assert where in restricted
+    per_worker = Counter(where for *_, where in log.seen.values())
+    # turns by address, a worker's share of a turn is its threads: a, b, b or b, b, a
+    expected = (
+        {a.address: 11, b.address: 21}
+        if a.address < b.address
+        else {
+            a.address: 10,
+            b.address: 22,
+        }
+    )
+    assert per_worker == expected
+
+
+@gen_cluster(
+    client=True,
+    nthreads=CLUSTER["nthreads"],
+    config={**CLUSTER["config"], "rechunk-p2p.scheduler.assign-transfers": 3},
+)
+async def test_beyond_the_limit_transfers_are_left_to_distributed(c, s, a, b):
+    log = await _rechunk_logged(c, s)
+    pinned = [v for v in log.seen.values() if v[1]]
+    assert Counter(where for *_, where in pinned) == {a.address: 3, b.address: 3}
+    assert all(start != "queued" for start, *_ in pinned)
+    others = [v for v in log.seen.values() if not v[1]]
+    assert len(others) == 26
+    assert all(start == "queued" for start, *_ in others)  # distributed's queuing, as before
+
+
+@gen_cluster(
+    client=True,
+    nthreads=CLUSTER["nthreads"],
+    config={**CLUSTER["config"], "rechunk-p2p.scheduler.assign-transfers": 0},
+)
+async def test_zero_leaves_every_transfer_to_distributed(c, s, a, b):
+    log = await _rechunk_logged(c, s)
+    assert not any(restricted for _, restricted, *_ in log.seen.values())
+
+
+def _task(key, priority):
+    return SimpleNamespace(key=key, priority=priority)
+
+
+def test_round_robin_weights_workers_by_threads_and_stops_at_the_limit():
+    tasks = [_task(f"t{i}", (0, i)) for i in range(10)]
+    pins = assign_round_robin(tasks[::-1], {"w2": 2, "w1": 1}, limit=3)
+    assert pins == {
+        "t0": {"w1"},
+        "t1": {"w2"},
+        "t2": {"w2"},
+        "t3": {"w1"},
+        "t4": {"w2"},  # w2 has its 3
+        "t5": {"w1"},  # w1 has its 3
+    }
+    assert assign_round_robin(tasks, {}, limit=3) == {}
+    assert assign_round_robin(tasks, {"w1": 0}, limit=2) == {"t0": {"w1"}, "t1": {"w1"}}
+
+
+def test_only_new_unrestricted_transfers_without_dependencies_are_assigned():
+    def state(**changes):
+        fields = {
+            "state": "released",
+            "run_spec": object(),
+            "dependencies": set(),
+            "worker_restrictions": None,
+            "host_restrictions": None,
+            "resource_restrictions": None,
+        }
+        return SimpleNamespace(**{**fields, **changes})
+
+    key = (f"input-{TRANSFER_PREFIX}abc", 0)
+    cases = {
+        "a root transfer": (key, state(), True),
+        "another task": (("input-abc", 0), state(), False),
+        "with a dependency": (key, state(dependencies={object()}), False),
+        "already running": (key, state(state="processing"), False),
+        "restricted by the user": (key, state(worker_restrictions={"w"}), False),
+        "on a host": (key, state(host_restrictions={"h"}), False),
+        "needing a resource": (key, state(resource_restrictions={"GPU": 1}), False),
+        "no task yet": (key, state(run_spec=None), False),
+    }
+    for case, (k, ts, assigned) in cases.items():
+        scheduler = SimpleNamespace(tasks={k: ts})
+        assert (_root_transfer(scheduler, k) is ts) is assigned, case
+    assert _root_transfer(SimpleNamespace(tasks={}), key) is None
