@@ -7,6 +7,7 @@ messages; no array data ever reaches the scheduler.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -659,14 +660,13 @@ def assign_round_robin(
     {'a': {'w1'}, 'b': {'w1'}}
     """
     turn = [w for w in sorted(threads) for _ in range(max(threads[w], 1))]
-    if not turn:
+    if not turn or limit <= 0:
         return {}
     given = dict.fromkeys(threads, 0)
     pins: dict[Any, set[str]] = {}
     slots = itertools.cycle(turn)
-    for ts in sorted(tasks, key=lambda ts: ts.priority):
-        if len(pins) >= limit * len(threads):
-            break
+    # the first ones only (a graph may hold millions of transfers)
+    for ts in heapq.nsmallest(limit * len(threads), tasks, key=lambda ts: ts.priority):
         worker = next(w for w in slots if given[w] < limit)
         given[worker] += 1
         pins[ts.key] = {worker}
