@@ -19,12 +19,14 @@ import rechunk_p2p
 from rechunk_p2p.scheduler import _root_transfer, assign_round_robin
 from rechunk_p2p.spec import TRANSFER_PREFIX
 
-#: one worker of one thread, one of two; no stealing, so each task runs where it was put
-CLUSTER = {
-    "client": True,
-    "nthreads": [("127.0.0.1", 1), ("127.0.0.1", 2)],
-    "config": {"distributed.scheduler.work-stealing": False},
-}
+
+def _cluster(limit: int | None = None):
+    """gen_cluster of one worker of one thread and one of two, without work stealing (so
+    each task runs where it was put), ``scheduler.assign-transfers`` at ``limit``."""
+    config: dict = {"distributed.scheduler.work-stealing": False}
+    if limit is not None:
+        config["rechunk-p2p.scheduler.assign-transfers"] = limit
+    return gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 2)], config=config)
 
 
 def _fill(block_info=None):
@@ -69,7 +71,7 @@ async def _rechunk_logged(c, s) -> TransferLog:
     return log
 
 
-@gen_cluster(**CLUSTER)
+@_cluster()
 async def test_root_transfers_go_to_the_workers_in_turn_by_threads(c, s, a, b):
     log = await _rechunk_logged(c, s)
     for start, restricted, loose, where in log.seen.values():
@@ -89,11 +91,7 @@ async def test_root_transfers_go_to_the_workers_in_turn_by_threads(c, s, a, b):
     assert per_worker == expected
 
 
-@gen_cluster(
-    client=True,
-    nthreads=CLUSTER["nthreads"],
-    config={**CLUSTER["config"], "rechunk-p2p.scheduler.assign-transfers": 3},
-)
+@_cluster(limit=3)
 async def test_beyond_the_limit_transfers_are_left_to_distributed(c, s, a, b):
     log = await _rechunk_logged(c, s)
     pinned = [v for v in log.seen.values() if v[1]]
@@ -106,11 +104,7 @@ async def test_beyond_the_limit_transfers_are_left_to_distributed(c, s, a, b):
     assert sum(start == "queued" for start, *_ in others) >= len(others) - 5
 
 
-@gen_cluster(
-    client=True,
-    nthreads=CLUSTER["nthreads"],
-    config={**CLUSTER["config"], "rechunk-p2p.scheduler.assign-transfers": 0},
-)
+@_cluster(limit=0)
 async def test_zero_leaves_every_transfer_to_distributed(c, s, a, b):
     log = await _rechunk_logged(c, s)
     assert not any(restricted for _, restricted, *_ in log.seen.values())
