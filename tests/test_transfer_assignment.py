@@ -16,7 +16,7 @@ from distributed import SchedulerPlugin
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
-from rechunk_p2p.scheduler import _root_transfer, assign_round_robin
+from rechunk_p2p.scheduler import _key_name, _root_transfer, assign_round_robin
 from rechunk_p2p.spec import TRANSFER_PREFIX
 
 
@@ -30,7 +30,7 @@ def _cluster(limit: int | None = None):
 
 
 def _fill(block_info=None):
-    """A block made inside its task (no dependencies): its row indices."""
+    """A block made inside its task (no dependencies): row index x 1000 + column index."""
     (r0, r1), (c0, c1) = block_info[None]["array-location"]
     return np.add.outer(np.arange(r0, r1) * 1000.0, np.arange(c0, c1))
 
@@ -52,8 +52,7 @@ class TransferLog(SchedulerPlugin):
         self.seen: dict = {}
 
     def transition(self, key, start, finish, *args, **kwargs):
-        name = key[0] if isinstance(key, tuple) else str(key)
-        if finish != "processing" or TRANSFER_PREFIX not in name:
+        if finish != "processing" or TRANSFER_PREFIX not in _key_name(key):
             return
         ts = self.scheduler.tasks[key]
         restricted = frozenset(ts.worker_restrictions or ())
