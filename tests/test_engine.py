@@ -215,6 +215,64 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
         assert len(trims) == 1 and trims[0] != threading.current_thread().name
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_process_tuning_applies_while_the_run_is_requested(c, s, a):
+    """The heap is frozen and the switch interval shortened from a worker's request for its
+    run on: the reply can take long while the scheduler takes in the graph, and the worker's
+    loop must not meet an unfrozen full collection in that wait. Undone after the run."""
+    import gc
+    import sys
+
+    before = sys.getswitchinterval()
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    get_or_create = a.scheduler.rechunk_p2p_get_or_create
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def held_reply(**kwargs):
+        asked.set()
+        await release.wait()
+        return await get_or_create(**kwargs)
+
+    a.scheduler.rechunk_p2p_get_or_create = held_reply  # the reply waits for the test
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    fut = c.compute(rechunk_p2p.rechunk(x, (20, 1)))
+    await asked.wait()
+    assert not _runs(a)  # requested, not open
+    assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
+    assert gc.get_freeze_count() > frozen_before
+    release.set()
+    np.testing.assert_array_equal(await fut, np.arange(400).reshape(20, 20))
+    del fut
+    a.scheduler.rechunk_p2p_get_or_create = get_or_create
+    await assert_clean(s, a)
+    assert sys.getswitchinterval() == before
+    assert gc.get_freeze_count() == frozen_before
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_failed_request_for_a_run_gives_the_process_tuning_back(c, s, a):
+    import gc
+    import sys
+
+    before = sys.getswitchinterval()
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    get_or_create = a.scheduler.rechunk_p2p_get_or_create
+
+    async def failing_reply(**kwargs):
+        raise RuntimeError("injected: no run for you")
+
+    a.scheduler.rechunk_p2p_get_or_create = failing_reply
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    with pytest.raises(RuntimeError, match="injected: no run for you"):
+        await c.compute(rechunk_p2p.rechunk(x, (20, 1)))
+    a.scheduler.rechunk_p2p_get_or_create = get_or_create
+    assert not _runs(a)
+    assert sys.getswitchinterval() == before
+    assert gc.get_freeze_count() == frozen_before
+
+
 @gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.storage": "disk"})
 async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
     from rechunk_p2p.worker import plugin as plugin_module

@@ -175,6 +175,18 @@ class RechunkWorkerPlugin(WorkerPlugin):
         return await asyncio.shield(self._fetching[shuffle_id])
 
     async def _fetch(self, shuffle_id: ShuffleId) -> WorkerRun:
+        # The process tuning is held from the request on, not only once the run is made: a
+        # run's first tasks ask for it while the scheduler is busy with the graph, and a full
+        # collection of an unfrozen heap in that wait stopped a worker's loop for 110 ms
+        _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
+        try:
+            return await self._fetch_held(shuffle_id)
+        finally:
+            trim = _tuning.release()  # the run, if one opened, holds the tuning itself
+            if trim is not None and self.offload is not None:
+                await self.offload.to_thread(trim)
+
+    async def _fetch_held(self, shuffle_id: ShuffleId) -> WorkerRun:
         response = await scheduler_rpc(
             self.worker,
             "rechunk_p2p_get_or_create",
@@ -497,8 +509,9 @@ _MAX_FROZEN_OBJECTS = 2_000_000
 
 class _ProcessTuning:
     """**Thread-safe (guarded by `_lock`).** Interpreter settings that keep the event loop
-    responsive, applied while any run is open in this process and undone when the last one
-    closes, so that other work on the cluster sees the interpreter as its user set it.
+    responsive, applied while any run is open in this process, or being asked for, and
+    undone when the last one closes, so that other work on the cluster sees the interpreter
+    as its user set it.
 
     - The GIL switch interval: a thread waiting for the GIL (the event loop, after its timer
       fired) waits up to one interval per hand-over while task, data-plane and offload
@@ -535,10 +548,10 @@ class _ProcessTuning:
         thresholds)."""
         with self._lock:
             self._users += 1
+            if malloc:  # also when another run, or a run's request, holds the rest
+                self.malloc.hold()
             if self._users > 1:
                 return
-            if malloc:
-                self.malloc.hold()
             if interval is not None:
                 self._switch = sys.getswitchinterval()
                 sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
