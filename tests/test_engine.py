@@ -206,7 +206,7 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
     del fut
     await assert_clean(s, a, b)
     assert sys.getswitchinterval() == before
-    assert gc.get_freeze_count() == frozen_before
+    await _unfrozen(frozen_before)  # once the workers were idle a while
     gc.collect()  # no longer freezes survivors
     assert gc.get_freeze_count() == frozen_before
     del malloc.trim_blocking
@@ -247,7 +247,7 @@ async def test_process_tuning_applies_while_the_run_is_requested(c, s, a):
     a.scheduler.rechunk_p2p_get_or_create = get_or_create
     await assert_clean(s, a)
     assert sys.getswitchinterval() == before
-    assert gc.get_freeze_count() == frozen_before
+    await _unfrozen(frozen_before)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
@@ -270,7 +270,83 @@ async def test_a_failed_request_for_a_run_gives_the_process_tuning_back(c, s, a)
     a.scheduler.rechunk_p2p_get_or_create = get_or_create
     assert not _runs(a)
     assert sys.getswitchinterval() == before
-    assert gc.get_freeze_count() == frozen_before
+    await _unfrozen(frozen_before)
+
+
+async def _unfrozen(frozen_before: int, timeout: float = 20) -> None:
+    """Wait until the objects frozen for runs are unfrozen (the worker idle a while)."""
+    import gc
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while gc.get_freeze_count() != frozen_before:
+        assert asyncio.get_running_loop().time() < deadline, "objects stayed frozen"
+        await asyncio.sleep(0.05)
+
+
+_BUSY_GATE = threading.Event()
+
+
+def _busy(x):
+    assert _BUSY_GATE.wait(20)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_objects_are_frozen_when_transfer_tasks_arrive(c, s, a):
+    """A worker takes a graph's task messages in one step of its loop, and their
+    allocations can set off a full collection before its first run opens: transfer tasks
+    reaching the worker freeze the objects already, before any of them runs."""
+    import gc
+
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    _BUSY_GATE.clear()
+    blocker = c.submit(_busy, 1)  # holds the worker's only thread
+    while not a.state.executing:
+        await asyncio.sleep(0.01)
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    fut = c.compute(rechunk_p2p.rechunk(x, (20, 1)))
+    while not any("transfer" in str(k) for k in a.state.tasks):
+        await asyncio.sleep(0.01)
+    assert gc.get_freeze_count() > frozen_before
+    assert not _runs(a) and not a.plugins["rechunk-p2p"]._fetching  # no transfer ran yet
+    _BUSY_GATE.set()
+    np.testing.assert_array_equal(await fut, np.arange(400).reshape(20, 20))
+    await blocker
+    del fut, blocker
+    await assert_clean(s, a)
+    await _unfrozen(frozen_before)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _make_garbage_cycle(block):
+    """A task that leaves a reference cycle behind, with a weak reference to find it."""
+    import weakref
+
+    global _GARBAGE
+    _GARBAGE = weakref.ref(_Cycle())
+    return block
+
+
+_GARBAGE = None
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_garbage_frozen_during_a_run_is_collected_once_the_worker_is_idle(c, s, a):
+    import gc
+
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    y = rechunk_p2p.rechunk(x, (20, 1)).map_blocks(_make_garbage_cycle, meta=x._meta)
+    await c.compute(y)
+    await assert_clean(s, a)
+    await _unfrozen(frozen_before)
+    assert _GARBAGE is not None and _GARBAGE() is None  # the cycle was collected
 
 
 @gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.storage": "disk"})

@@ -40,7 +40,14 @@ from rechunk_p2p.errors import (
     StaleRunError,
 )
 from rechunk_p2p.offload import OffloadPool, from_thread
-from rechunk_p2p.spec import METADATA_KEY, PLUGIN_NAME, RunId, RunSpec, ShuffleId
+from rechunk_p2p.spec import (
+    METADATA_KEY,
+    PLUGIN_NAME,
+    TRANSFER_PREFIX,
+    RunId,
+    RunSpec,
+    ShuffleId,
+)
 from rechunk_p2p.worker.allocator import MallocTuning
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
@@ -112,6 +119,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._background: set[asyncio.Future[None]] = set()
         self._ready = threading.Event()
         self._tearing_down = False  # loop-confined
+        self._freeze_early = False
+        self._unfreezer: asyncio.Future[None] | None = None
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -134,15 +143,20 @@ class RechunkWorkerPlugin(WorkerPlugin):
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         worker.stream_handlers["rechunk_p2p_continue"] = self._continue_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
+        self._freeze_early = bool(config.get("worker.gc-freeze"))
+        self._unfreezer = asyncio.ensure_future(self._unfreeze_when_idle())
         self._ready.set()
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
 
     async def teardown(self, worker: Any) -> None:
         self._tearing_down = True  # a run fetched from now on is closed as it arrives
+        if self._unfreezer is not None:
+            self._unfreezer.cancel()
         with self._lock:
             runs = list(self.runs.values())
         await asyncio.gather(*(self._close_run(run) for run in runs), return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
+        _tuning.unfreeze_unused()  # no idle wait for a worker that closes
         worker.handlers.pop("rechunk_p2p_worker_barrier", None)
         worker.stream_handlers.pop("rechunk_p2p_close", None)
         worker.stream_handlers.pop("rechunk_p2p_continue", None)
@@ -150,6 +164,35 @@ class RechunkWorkerPlugin(WorkerPlugin):
             await self.offload.to_thread(self.dataplane.stop_blocking)
         if self.offload is not None:
             self.offload.shutdown(wait=False)
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        """On the worker loop, for every task's transition: a transfer task arriving freezes
+        the process's objects (:meth:`_ProcessTuning.freeze_early`)."""
+        if (
+            start == "released"
+            and self._freeze_early
+            and isinstance(key, tuple)
+            and TRANSFER_PREFIX in key[0]
+        ):
+            _tuning.freeze_early()
+
+    async def _unfreeze_when_idle(self) -> None:
+        """On the worker loop: once objects are frozen, no run holds the settings and no
+        task has run here for :data:`UNFREEZE_IDLE_SECONDS`, unfreeze and collect."""
+        idle_since = None
+        state = getattr(self.worker, "state", None)
+        while True:
+            await asyncio.sleep(UNFREEZE_IDLE_SECONDS / 4)
+            busy = self._fetching or (state is not None and state.executing)
+            if busy or not _tuning.frozen_unused:
+                idle_since = None
+                continue
+            now = asyncio.get_running_loop().time()
+            if idle_since is None:
+                idle_since = now
+            elif now - idle_since >= UNFREEZE_IDLE_SECONDS:
+                _tuning.unfreeze_unused()
+                idle_since = None
 
     # --- runs -----------------------------------------------------------------------------
 
@@ -502,6 +545,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
         return totals
 
 
+#: How long a worker runs no task and holds no run before the objects frozen for runs are
+#: unfrozen and collected (:meth:`_ProcessTuning.unfreeze_unused`)
+UNFREEZE_IDLE_SECONDS = 1.0
+
 #: Most objects frozen while runs are open; past it, full collections walk the rest as usual
 #: (garbage cycles among frozen objects wait for the unfreeze: this bounds them)
 _MAX_FROZEN_OBJECTS = 2_000_000
@@ -522,11 +569,17 @@ class _ProcessTuning:
       later collections, and freezing the survivors of each full collection while runs are
       open keeps the next one to what was made since: distributed's per-task state grows
       with every task the worker holds, and with tens of thousands of tasks a full
-      collection of it took 100-300 ms. Garbage cycles among frozen objects wait for
-      ``gc.unfreeze``, which hands everything back to the oldest generation when the last
-      run closes (at most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they
-      are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for
-      the 120,000-160,000 of a worker process after a 3-D rechunk).
+      collection of it took 100-300 ms. The objects are also frozen when a transfer task
+      reaches the worker (:meth:`freeze_early`): a worker takes a graph's task messages in
+      one step of its loop, and their allocations can set off a full collection before its
+      first run opens. Garbage cycles among frozen objects wait for ``gc.unfreeze``, which
+      hands everything back to the oldest generation, and the full collection that follows
+      (:meth:`unfreeze_unused`); both wait until no run has been open for a while, when
+      the worker is idle (a collection of what a rechunk of 64 KiB chunks left took
+      110-180 ms, and coming right after a run it stopped the next one's first steps). At
+      most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they are:
+      ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for the
+      120,000-160,000 of a worker process after a 3-D rechunk.
     - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`), when
       the first run keeps shards in memory (``memory``, ``memory+disk``): arrays up to
       32 MiB come from memory freed before instead of fresh pages; the free memory is given
@@ -537,7 +590,8 @@ class _ProcessTuning:
         self._lock = threading.Lock()
         self._users = 0
         self._switch: float | None = None
-        self._frozen = False
+        self._frozen = False  # objects frozen (by a run, or early), not yet unfrozen
+        self._collecting = False  # survivors of full collections are frozen too
         #: survivors frozen since the first run opened (``_freeze_survivors`` adds to it)
         self.survivors_frozen = 0
         self.malloc = MallocTuning()
@@ -556,14 +610,14 @@ class _ProcessTuning:
                 self._switch = sys.getswitchinterval()
                 sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
             if freeze:  # O(1): moves the tracked objects aside, traverses nothing
-                self.survivors_frozen = 0
                 gc.freeze()
                 gc.callbacks.append(_freeze_survivors)
-                self._frozen = True
+                self._frozen = self._collecting = True
 
     def release(self) -> Callable[[], None] | None:
-        """A run closed; when it was the last, undo the settings. Returns blocking work to
-        run in a thread: giving back the memory malloc kept."""
+        """A run closed; when it was the last, undo the settings but the freeze (see
+        :meth:`unfreeze_unused`). Returns blocking work to run in a thread: giving back the
+        memory malloc kept."""
         with self._lock:
             self._users -= 1
             if self._users:
@@ -571,11 +625,36 @@ class _ProcessTuning:
             if self._switch is not None:
                 sys.setswitchinterval(self._switch)
                 self._switch = None
-            if self._frozen:
+            if self._collecting:
                 gc.callbacks.remove(_freeze_survivors)
-                gc.unfreeze()
-                self._frozen = False
+                self._collecting = False
             return self.malloc.trim_blocking if self.malloc.release() else None
+
+    def freeze_early(self) -> None:
+        """A transfer task reached the worker: freeze the objects that exist, unless a run
+        holds the settings already. O(1); undone by :meth:`unfreeze_unused`."""
+        with self._lock:
+            if not self._users:
+                gc.freeze()
+                self._frozen = True
+
+    @property
+    def frozen_unused(self) -> bool:
+        """Objects are frozen and no run (or request for one) holds the settings."""
+        with self._lock:
+            return self._frozen and not self._users
+
+    def unfreeze_unused(self) -> bool:
+        """When no run holds the settings: unfreeze, and collect what the runs left (a full
+        collection, which stops every thread of the process). Returns whether it did."""
+        with self._lock:
+            if self._users or not self._frozen:
+                return False
+            gc.unfreeze()
+            self._frozen = False
+            self.survivors_frozen = 0
+        gc.collect()
+        return True
 
 
 def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
