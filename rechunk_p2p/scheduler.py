@@ -10,7 +10,9 @@ import asyncio
 import heapq
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
+from time import time
 from typing import Any
 
 from distributed import SchedulerPlugin
@@ -92,6 +94,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.outputs_moved = 0  # outputs continuations moved to another worker
         # transfer key -> the worker that computed it, while its result is in memory
         self._computed_on: dict[Any, str] = {}
+        self.waves = TransferWaves()
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -135,21 +138,46 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         adds the round trips. Each such task is therefore restricted to one running worker,
         in priority order, one worker after the other (weighted by threads), up to
         ``scheduler.assign-transfers`` a worker; the restriction is loose (another worker
-        takes the task when its worker leaves, and work stealing may move it). Called by
-        the scheduler before it transitions the new tasks; tasks with restrictions of their
-        own, or beyond the limit, are left to distributed.
+        takes the task when its worker leaves, and work stealing may move it). The ones
+        beyond the limit wait in distributed's queue, and are handed out in waves as the
+        workers finish theirs (:meth:`_refill`). Called by the scheduler before it
+        transitions the new tasks; tasks with restrictions of their own are left to
+        distributed.
         """
         limit = int(config.get("scheduler.assign-transfers"))
         if limit <= 0 or not tasks:
             return
+        roots = [ts for key in tasks if (ts := _root_transfer(scheduler, key)) is not None]
+        if not roots:
+            return
         pins = assign_round_robin(
-            [ts for key in tasks if (ts := _root_transfer(scheduler, key)) is not None],
-            {ws.address: ws.nthreads for ws in scheduler.running},
-            limit,
+            roots, {ws.address: ws.nthreads for ws in scheduler.running}, limit
         )
-        for key in pins:
-            scheduler.tasks[key].loose_restrictions = True
-        scheduler.set_restrictions(pins)
+        self._restrict(pins)
+        self.waves.defer([ts for ts in roots if ts.key not in pins], limit)
+
+    def _restrict(self, pins: dict[Any, set[str]]) -> None:
+        """Restrict each key of ``pins`` loosely to its one worker, and count it there."""
+        for key, (worker,) in pins.items():
+            self.scheduler.tasks[key].loose_restrictions = True
+            self.waves.assigned(key, worker)
+        self.scheduler.set_restrictions(pins)
+
+    def _refill(self, worker: str) -> None:
+        """The next wave of waiting transfers to ``worker``, which finished part of its own:
+        as many of the first queued ones as bring it back to its limit. Released from the
+        queue, each goes on (waiting, then processing) to the worker it is restricted to."""
+        ws = self.scheduler.workers.get(worker)
+        if ws is None or ws not in self.scheduler.running:
+            self.waves.forget_worker(worker)
+            return
+        keys = self.waves.take(self.scheduler.tasks, worker)
+        if not keys:
+            return
+        self._restrict({key: {worker} for key in keys})
+        self.scheduler.transitions(
+            dict.fromkeys(keys, "released"), stimulus_id=f"rechunk-p2p-wave-{time()}"
+        )
 
     # --- handlers -------------------------------------------------------------------------
 
@@ -368,6 +396,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 self._computed_on[key] = kwargs["worker"]
             elif finish in ("released", "erred", "forgotten"):
                 self._computed_on.pop(key, None)
+            if (worker := self.waves.moved(key, start, finish)) is not None:
+                asyncio.get_running_loop().call_soon(self._refill, worker)
             return
         if finish not in ("memory", "released", "erred", "forgotten"):
             return
@@ -421,6 +451,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         without it (see :meth:`_go_on_without`)."""
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         dataplanes.pop(worker, None)
+        self.waves.forget_worker(worker)
         for shuffle_id, run in list(self.active.items()):
             if worker in run.workers and worker not in run.owners:
                 self._go_on_without(shuffle_id, run, worker)
@@ -624,6 +655,94 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self._computed_on.clear()
+        self.waves = TransferWaves()
+
+
+class TransferWaves:
+    """**Loop-confined.** Root transfers handed to the workers in waves: which are given to a
+    worker and not finished, how many each worker has, and the ones still to give.
+
+    The first ``limit`` a worker are given when the graph arrives; past that, when a worker
+    has ``limit // 4`` fewer than its limit left, the next ones (in priority order, still
+    queued by distributed) are given to it. A worker takes each wave's task messages in
+    one step of its event loop: waves of a quarter of the limit keep that step short.
+
+    >>> from types import SimpleNamespace as T
+    >>> waves = TransferWaves()
+    >>> waves.defer([T(key=k, priority=(p,)) for k, p in [("b", 2), ("a", 1)]], 8)
+    >>> for k in "stuvwxyz":
+    ...     waves.assigned(k, "w1")
+    >>> waves.moved("s", "processing", "memory") is None  # 7 left of 8: not yet
+    True
+    >>> waves.moved("t", "processing", "memory")  # 6 left: a wave is due
+    'w1'
+    >>> waves.moved("u", "processing", "memory") is None  # the wave is already due
+    True
+    >>> waves.take({"a": T(state="queued"), "b": T(state="processing")}, "w1")  # b ran already
+    ['a']
+    """
+
+    def __init__(self) -> None:
+        self.limit = 0
+        self._pending: list[tuple[Any, int, Any]] = []  # heap of (priority, sequence, key)
+        self._pending_keys: set[Any] = set()
+        self._sequence = itertools.count()
+        self._given: dict[Any, str] = {}  # key -> worker, while given and not finished
+        self._unfinished: Counter[str] = Counter()
+        self._due: set[str] = set()  # workers with a wave scheduled
+
+    def defer(self, tasks: list[Any], limit: int) -> None:
+        """``tasks`` (with ``.key`` and ``.priority``) wait for a wave; ``limit`` a worker."""
+        self.limit = limit
+        if not tasks:
+            return
+        self._pending.extend((ts.priority, next(self._sequence), ts.key) for ts in tasks)
+        heapq.heapify(self._pending)
+        self._pending_keys.update(ts.key for ts in tasks)
+
+    def assigned(self, key: Any, worker: str) -> None:
+        """``key`` was given to ``worker``."""
+        self._given[key] = worker
+        self._unfinished[worker] += 1
+
+    def moved(self, key: Any, start: str, finish: str) -> str | None:
+        """A transfer's transition; returns the worker to give a wave to, if one is due."""
+        if finish in ("processing", "memory", "erred", "forgotten"):
+            self._pending_keys.discard(key)  # run by distributed's queue, or gone
+            if not self._pending_keys:
+                self._pending.clear()
+        if start != "processing" or finish == "processing":
+            return None
+        worker = self._given.pop(key, None)
+        if worker is None or worker not in self._unfinished:
+            return None
+        self._unfinished[worker] -= 1
+        left = self.limit - self._unfinished[worker]
+        if self._pending_keys and worker not in self._due and left >= max(self.limit // 4, 1):
+            self._due.add(worker)
+            return worker
+        return None
+
+    def take(self, tasks: dict[Any, Any], worker: str) -> list[Any]:
+        """The next keys for ``worker``: up to its limit, those distributed still queues."""
+        self._due.discard(worker)
+        keys: list[Any] = []
+        while self._pending and len(keys) < self.limit - self._unfinished[worker]:
+            _, _, key = heapq.heappop(self._pending)
+            if key not in self._pending_keys:
+                continue
+            self._pending_keys.discard(key)
+            ts = tasks.get(key)
+            if ts is not None and ts.state == "queued":
+                keys.append(key)
+        if not self._pending_keys:
+            self._pending.clear()
+        return keys
+
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` left: no more waves for it."""
+        self._unfinished.pop(worker, None)
+        self._due.discard(worker)
 
 
 def _root_transfer(scheduler: Any, key: Any) -> Any:

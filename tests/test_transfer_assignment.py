@@ -1,8 +1,10 @@
-"""Root transfer tasks are handed to the workers when the graph arrives, not a few at a time.
+"""Root transfer tasks are handed to the workers when the graph arrives, and in waves after
+that, not a few at a time.
 
 The scheduler plugin restricts each transfer task whose input is made inside it to one
 worker (loosely), so distributed's root-task queuing does not hold them back; see
-:meth:`rechunk_p2p.scheduler.RechunkSchedulerPlugin.update_graph`.
+:meth:`rechunk_p2p.scheduler.RechunkSchedulerPlugin.update_graph` and
+:class:`rechunk_p2p.scheduler.TransferWaves`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class TransferLog(SchedulerPlugin):
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self.seen: dict = {}
+        self.most_at_once: Counter = Counter()  # worker -> most transfers processing there
 
     def transition(self, key, start, finish, *args, **kwargs):
         if finish != "processing" or TRANSFER_PREFIX not in _key_name(key):
@@ -58,6 +61,8 @@ class TransferLog(SchedulerPlugin):
         restricted = frozenset(ts.worker_restrictions or ())
         where = ts.processing_on.address
         self.seen.setdefault(key, (start, restricted, ts.loose_restrictions, where))
+        now = sum(TRANSFER_PREFIX in _key_name(t.key) for t in ts.processing_on.processing)
+        self.most_at_once[where] = max(self.most_at_once[where], now)
 
 
 async def _rechunk_logged(c, s) -> TransferLog:
@@ -91,16 +96,34 @@ async def test_root_transfers_go_to_the_workers_in_turn_by_threads(c, s, a, b):
 
 
 @_cluster(limit=3)
-async def test_beyond_the_limit_transfers_are_left_to_distributed(c, s, a, b):
+async def test_beyond_the_limit_transfers_go_to_the_workers_in_waves(c, s, a, b):
     log = await _rechunk_logged(c, s)
-    pinned = [v for v in log.seen.values() if v[1]]
-    assert Counter(where for *_, where in pinned) == {a.address: 3, b.address: 3}
-    assert all(start != "queued" for start, *_ in pinned)
-    others = [v for v in log.seen.values() if not v[1]]
-    assert len(others) == 26
-    # distributed's queuing, as before: beyond the slots the workers had free when the
-    # graph arrived (2 and 3 for 1 and 2 threads), they waited in the scheduler's queue
-    assert sum(start == "queued" for start, *_ in others) >= len(others) - 5
+    restricted = [v for v in log.seen.values() if v[1]]
+    # 3 a worker when the graph arrived, then one more each time one of them finished
+    assert len(restricted) > 6
+    assert {where for *_, where in restricted} == {a.address, b.address}
+    for start, pinned, loose, where in restricted:
+        assert start != "queued" and loose and pinned == {where}
+    # the others are distributed's: from its queue (a worker with a free slot between a
+    # finished transfer and its next wave), or at most the slots free when the graph
+    # arrived (2 and 3 for 1 and 2 threads)
+    others = [start for start, pinned, *_ in log.seen.values() if not pinned]
+    assert sum(start != "queued" for start in others) <= 5
+    # never more at once than the limit plus the slots the queue fills (2 and 3)
+    assert log.most_at_once[a.address] <= 3 + 2
+    assert log.most_at_once[b.address] <= 3 + 3
+
+
+@_cluster(limit=3)
+async def test_waves_have_nothing_to_give_when_distributed_does_not_queue(c, s, a, b):
+    import dask
+
+    with dask.config.set({"distributed.scheduler.worker-saturation": float("inf")}):
+        s.WORKER_SATURATION = float("inf")
+        log = await _rechunk_logged(c, s)
+    restricted = [v for v in log.seen.values() if v[1]]
+    assert Counter(where for *_, where in restricted) == {a.address: 3, b.address: 3}
+    assert not any(start == "queued" for start, *_ in log.seen.values())
 
 
 @_cluster(limit=0)
