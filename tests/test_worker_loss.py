@@ -123,8 +123,29 @@ def _counters(dask_scheduler) -> dict:
     }
 
 
+def _stretch_unpacks() -> None:
+    """In a worker process: each unpack task takes 30 ms longer (a race injected, so that
+    a kill seen in the unpack phase lands in it: unpacks alone take a few ms, and the run
+    closes once the last one is done)."""
+    from rechunk_p2p.worker.plugin import RechunkWorkerPlugin
+
+    unpack = RechunkWorkerPlugin.unpack_blocking
+    if getattr(unpack, "stretched", False):
+        return
+
+    def slow_unpack(self, *args, **kwargs):
+        time.sleep(0.03)
+        return unpack(self, *args, **kwargs)
+
+    slow_unpack.stretched = True
+    RechunkWorkerPlugin.unpack_blocking = slow_unpack
+
+
 def _kill_during(client, phase: str, seed: int) -> dict:
     """Kill a worker in ``phase`` of a rechunk; the scheduler plugin's counters after it."""
+    if phase == "unpack":
+        client.run(_stretch_unpacks)
+    pids = _pids(client)  # before: a round trip less between seeing the phase and the kill
     x = _source(seed)
     # bystander: fewer output chunks than workers, so one worker owns none
     target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
@@ -135,7 +156,7 @@ def _kill_during(client, phase: str, seed: int) -> dict:
     future = client.compute(ok)
     deadline = time.monotonic() + TIMEOUT
     victim = _wait_for_phase(client, phase, deadline)
-    os.kill(_pids(client)[victim], signal.SIGKILL)
+    os.kill(pids[victim], signal.SIGKILL)
     assert bool(future.result(timeout=max(deadline - time.monotonic(), 1))) is True
     del future
     return client.run_on_scheduler(_counters)
