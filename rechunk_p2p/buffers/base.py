@@ -58,7 +58,7 @@ class StoreStatistics:
         Output indices that currently have data.
     max_bytes_in_memory
         The most shard bytes the store held in memory at once (memory: everything it held;
-        disk: its write buffer).
+        disk: its write buffer, both halves).
     bytes_spilled
         Of ``bytes_written``, the bytes written to disk.
     """

@@ -3,8 +3,11 @@
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 
 Layout: a sub-directory of the worker's local directory, named after the store, holding one
-data file. Writes gather shards in a write buffer (``buffer_bytes``); the writer that fills it
-writes it, ordered by output and input, so that one output's shards lie one after another.
+data file. Writes gather shards in a write buffer (``buffer_bytes``); once they are half of
+it, the process's flush thread writes them, ordered by output and input, so that one
+output's shards lie one after another, while writers go on gathering the other half (a
+writer waits only when both halves are full: at most ``buffer_bytes`` are held, plus the
+batch that filled it).
 A write reserves a contiguous byte range of the file under the lock, then writes with
 ``os.pwritev`` (per ``IOV_MAX`` buffers) *outside* the lock, so concurrent writers never
 serialise on I/O; only then are the shards published in the index, numpy rows of
@@ -28,6 +31,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
@@ -127,6 +131,8 @@ class DiskShardStore:
         self._buffer_bytes = int(buffer_bytes)
         self._pending: list[tuple[np.ndarray, list[memoryview]]] = []  # not written yet
         self._pending_bytes = 0
+        self._flushing = 0  # bytes of the background write in flight
+        self._flush_error: BaseException | None = None
         self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
         self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
         self._held: set[int] = set()  # outputs with spilled shards not read yet
@@ -217,15 +223,52 @@ class DiskShardStore:
             if self._closed:
                 self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
                 raise closed_error(self.kind, self.name, "write shards")
+            self._raise_flush_error_locked()
             self._pending.append((rows, views))
             self._pending_bytes += total
-            self._ledger.in_memory(self._pending_bytes)
+            self._ledger.in_memory(self._pending_bytes + self._flushing)
             self._held.update(rows["output"].tolist())
             self._ledger.stored(len(rows), total)
-            full = self._take_pending_locked() if self._pending_bytes >= self._buffer_bytes else []
-        if full:  # written by this writer: in the background it was slower (disk contention)
-            self._flush_blocking(full)
+            full = self._take_full_locked()
+        if full:
+            _flusher().submit(self._flush_in_background_blocking, full)
         return total
+
+    def _take_full_locked(self) -> list[tuple[np.ndarray, list[memoryview]]]:
+        """The gathered shards to write in the background, once they are half the write
+        buffer; waits (holding no lock but `_idle`'s) while the one write in flight and the
+        gathered shards together hold the whole buffer. Hold `_lock`."""
+        if self._pending_bytes < self._buffer_bytes // 2:
+            return []
+        while self._flushing and self._flushing + self._pending_bytes >= self._buffer_bytes:
+            self._idle.wait()
+        if self._flushing or self._pending_bytes < self._buffer_bytes // 2:
+            return []  # a write in flight ends soon, or a reader took them meanwhile
+        full = self._take_pending_locked()
+        self._flushing = sum(int(r["nbytes"].sum()) for r, _ in full)
+        self._inflight += 1  # close waits for it
+        return full
+
+    def _flush_in_background_blocking(
+        self, pending: list[tuple[np.ndarray, list[memoryview]]]
+    ) -> None:
+        """On the flush thread: write gathered shards; an error is kept for the store's next
+        write or read to raise."""
+        try:
+            self._flush_blocking(pending)
+        except BaseException as exc:  # re-raised to the store's next writer or reader
+            with self._lock:
+                self._flush_error = exc
+        finally:
+            with self._lock:
+                self._flushing = 0
+                self._ledger.in_memory(self._pending_bytes)
+                self._release_locked()
+                self._idle.notify_all()
+
+    def _raise_flush_error_locked(self) -> None:
+        if self._flush_error is not None:
+            raise self._flush_error
 
     def _take_pending_locked(self) -> list[tuple[np.ndarray, list[memoryview]]]:
         pending, self._pending, self._pending_bytes = self._pending, [], 0
@@ -359,6 +402,9 @@ class DiskShardStore:
         only briefly: rows written since the last read are sorted outside it)."""
         with self._sort_lock:
             with self._lock:
+                while self._flushing:  # its rows are published when it ends
+                    self._idle.wait()
+                self._raise_flush_error_locked()
                 pending = self._take_pending_locked()
             if pending:
                 self._flush_blocking(pending)
@@ -559,6 +605,21 @@ class DiskShardStore:
 
 
 # -- plain helpers (blocking) ----------------------------------------------------------
+
+
+_FLUSHER: ThreadPoolExecutor | None = None
+_FLUSHER_LOCK = threading.Lock()
+
+
+def _flusher() -> ThreadPoolExecutor:
+    """The process's one thread that writes full write buffers (created on first use):
+    the writers go on cutting and receiving while it writes, and one writer at a time
+    keeps the disk from serving several at once."""
+    global _FLUSHER
+    with _FLUSHER_LOCK:
+        if _FLUSHER is None:
+            _FLUSHER = ThreadPoolExecutor(1, thread_name_prefix="rechunk-p2p-flush")
+        return _FLUSHER
 
 
 def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:

@@ -108,12 +108,13 @@ def test_a_missing_shard_stops_the_read_and_a_wrong_size_raises(kind, tmp_path):
         store.read_stacked_blocking(1, out, [0])
 
 
-@pytest.mark.parametrize(("buffer_bytes", "reads"), [(0, 64), (2**20, 1), (64 * 64 * 8 // 4, 4)])
+@pytest.mark.parametrize(("buffer_bytes", "reads"), [(0, 64), (2**20, 1), (64 * 64 * 8 // 4, 8)])
 def test_a_write_buffer_lays_each_output_out_in_one_piece_per_flush(
     tmp_path, monkeypatch, buffer_bytes, reads
 ):
     """64 row chunks -> 8 column chunks of 8 float64: written as they arrive, each output is
-    64 reads; gathered in a buffer holding everything, one; in one holding a quarter, four."""
+    64 reads; gathered in a buffer holding everything, one; in one holding a quarter, eight
+    (half the buffer is written at a time)."""
     import os
 
     partial = partial_of(((1,) * 64, (64,)), ((64,), (8,) * 8))

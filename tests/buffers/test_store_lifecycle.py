@@ -295,3 +295,61 @@ def test_failure_to_remove_is_reported_once(monkeypatch, tmp_path):
     monkeypatch.undo()
     assert os.listdir(path) == [disk_module.DATA_FILE]
     shutil.rmtree(path)
+
+
+def _gated_pwritev(monkeypatch):
+    """``os.pwritev`` held until the returned event is set (a slow disk, injected)."""
+    import threading
+
+    gate, entered, real = threading.Event(), threading.Event(), os.pwritev
+
+    def slow(fd, buffers, offset):
+        entered.set()
+        assert gate.wait(20)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    return gate, entered
+
+
+def test_writers_go_on_while_half_the_write_buffer_is_written(monkeypatch, tmp_path):
+    """Half the buffer goes to the flush thread; writers fill the other half meanwhile and
+    wait only when both are full; every shard is read back."""
+    import threading
+
+    store = make_store(
+        "disk", dtype=np.dtype("i8"), directory=tmp_path, name="rechunk-1-run-1", buffer_bytes=1600
+    )
+    gate, entered = _gated_pwritev(monkeypatch)
+    store.write_blocking([shard(0, 0, n=100)])  # 800 bytes: half the buffer, handed on
+    assert entered.wait(20)  # the flush thread is in the (held) write
+    store.write_blocking([shard(1, 0, n=50)])  # returns although the disk is held
+    assert store.statistics().max_bytes_in_memory == 1200
+    blocked = threading.Thread(target=store.write_blocking, args=([shard(2, 0, n=100)],))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()  # both halves full: it waits for the write in flight
+    gate.set()
+    blocked.join(20)
+    assert not blocked.is_alive()
+    for output, n in ((0, 100), (1, 50), (2, 100)):
+        assert store.read_blocking(output)[0][1].tolist() == [output * 1000] * n
+    assert store.statistics().max_bytes_in_memory <= 1600 + 800
+    store.close_blocking()
+    assert not os.listdir(tmp_path)
+
+
+def test_a_failed_background_write_is_raised_to_the_next_caller(monkeypatch, tmp_path):
+    store = make_store(
+        "disk", dtype=np.dtype("i8"), directory=tmp_path, name="rechunk-2-run-1", buffer_bytes=1600
+    )
+    monkeypatch.setattr(os, "pwritev", fail_with(errno.ENOSPC))
+    monkeypatch.setattr(os, "pwrite", fail_with(errno.ENOSPC))
+    store.write_blocking([shard(0, 0, n=100)])  # handed to the flush thread, which fails
+    with pytest.raises(RechunkStorageError, match="Free space") as info:
+        store.read_blocking(0)
+    assert info.value.errno == errno.ENOSPC
+    with pytest.raises(RechunkStorageError):
+        store.write_blocking([shard(1, 0, n=10)])
+    store.close_blocking()
+    assert not os.listdir(tmp_path)
