@@ -220,6 +220,11 @@ class DiskShardStore:
             return total
         views = _shard_views(payloads, rows["nbytes"])
         with self._lock:
+            # room first: the write in flight and the gathered shards stay within the buffer
+            while self._flushing and (
+                self._flushing + self._pending_bytes + total > self._buffer_bytes
+            ):
+                self._idle.wait()
             if self._closed:
                 self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
                 raise closed_error(self.kind, self.name, "write shards")
@@ -236,14 +241,10 @@ class DiskShardStore:
 
     def _take_full_locked(self) -> list[tuple[np.ndarray, list[memoryview]]]:
         """The gathered shards to write in the background, once they are half the write
-        buffer; waits (holding no lock but `_idle`'s) while the one write in flight and the
-        gathered shards together hold the whole buffer. Hold `_lock`."""
-        if self._pending_bytes < self._buffer_bytes // 2:
+        buffer and no write is in flight (else the flush thread takes them when it is done).
+        Hold `_lock`."""
+        if self._flushing or self._pending_bytes < max(self._buffer_bytes // 2, 1):
             return []
-        while self._flushing and self._flushing + self._pending_bytes >= self._buffer_bytes:
-            self._idle.wait()
-        if self._flushing or self._pending_bytes < self._buffer_bytes // 2:
-            return []  # a write in flight ends soon, or a reader took them meanwhile
         full = self._take_pending_locked()
         self._flushing = sum(int(r["nbytes"].sum()) for r, _ in full)
         self._inflight += 1  # close waits for it
@@ -252,17 +253,18 @@ class DiskShardStore:
     def _flush_in_background_blocking(
         self, pending: list[tuple[np.ndarray, list[memoryview]]]
     ) -> None:
-        """On the flush thread: write gathered shards; an error is kept for the store's next
-        write or read to raise."""
-        try:
-            self._flush_blocking(pending)
-        except BaseException as exc:  # re-raised to the store's next writer or reader
-            with self._lock:
-                self._flush_error = exc
-        finally:
+        """On the flush thread: write gathered shards, then those gathered meanwhile if they
+        are half the buffer; an error is kept for the store's next write or read to raise."""
+        while pending:
+            try:
+                self._flush_blocking(pending)
+            except BaseException as exc:  # re-raised to the store's next writer or reader
+                with self._lock:
+                    self._flush_error = exc
             with self._lock:
                 self._flushing = 0
-                self._ledger.in_memory(self._pending_bytes)
+                failed = self._flush_error is not None or self._closed
+                pending = [] if failed else self._take_full_locked()
                 self._release_locked()
                 self._idle.notify_all()
 
