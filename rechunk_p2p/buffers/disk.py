@@ -4,10 +4,11 @@ Where it runs: offload pool and task threads (blocking; never on the event loop)
 
 Layout: a sub-directory of the worker's local directory, named after the store, holding one
 data file. Writes gather shards in a write buffer (``buffer_bytes``); once they are half of
-it, the process's flush thread writes them, ordered by output and input, so that one
+it, the store's flush thread writes them, ordered by output and input, so that one
 output's shards lie one after another, while writers go on gathering the other half (a
-writer waits only when both halves are full: at most ``buffer_bytes`` are held, plus the
-batch that filled it).
+writer waits while its shards would take the write in flight and the gathered ones past
+``buffer_bytes``: at most that is held then, and under half of it plus one batch when no
+write is in flight).
 A write reserves a contiguous byte range of the file under the lock, then writes with
 ``os.pwritev`` (per ``IOV_MAX`` buffers) *outside* the lock, so concurrent writers never
 serialise on I/O; only then are the shards published in the index, numpy rows of
@@ -132,6 +133,7 @@ class DiskShardStore:
         self._pending: list[tuple[np.ndarray, list[memoryview]]] = []  # not written yet
         self._pending_bytes = 0
         self._flushing = 0  # bytes of the background write in flight
+        self._flusher: ThreadPoolExecutor | None = None
         self._flush_error: BaseException | None = None
         self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
         self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
@@ -236,8 +238,17 @@ class DiskShardStore:
             self._ledger.stored(len(rows), total)
             full = self._take_full_locked()
         if full:
-            _flusher().submit(self._flush_in_background_blocking, full)
+            self._flush_pool().submit(self._flush_in_background_blocking, full)
         return total
+
+    def _flush_pool(self) -> ThreadPoolExecutor:
+        """The store's one flush thread (made on first use, joined by :meth:`close_blocking`):
+        the writers go on cutting and receiving while it writes, and one writer a store keeps
+        the disk from serving several of its writes at once."""
+        with self._lock:
+            if self._flusher is None:
+                self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rechunk-p2p-flush")
+            return self._flusher
 
     def _take_full_locked(self) -> list[tuple[np.ndarray, list[memoryview]]]:
         """The gathered shards to write in the background, once they are half the write
@@ -576,6 +587,9 @@ class DiskShardStore:
             self._unsorted.clear()
             self._held.clear()
             self._ledger.clear()
+            flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.shutdown(wait=True)  # its last write is done (nothing in flight)
         if not first:
             self._close_done.wait()
             return
@@ -607,21 +621,6 @@ class DiskShardStore:
 
 
 # -- plain helpers (blocking) ----------------------------------------------------------
-
-
-_FLUSHER: ThreadPoolExecutor | None = None
-_FLUSHER_LOCK = threading.Lock()
-
-
-def _flusher() -> ThreadPoolExecutor:
-    """The process's one thread that writes full write buffers (created on first use):
-    the writers go on cutting and receiving while it writes, and one writer at a time
-    keeps the disk from serving several at once."""
-    global _FLUSHER
-    with _FLUSHER_LOCK:
-        if _FLUSHER is None:
-            _FLUSHER = ThreadPoolExecutor(1, thread_name_prefix="rechunk-p2p-flush")
-        return _FLUSHER
 
 
 def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
