@@ -711,7 +711,8 @@ class TransferWaves:
             self._pending_keys.discard(key)  # run by distributed's queue, or gone
             if not self._pending_keys:
                 self._pending.clear()
-        if start != "processing" or finish == "processing":
+        left_processing = start == "processing" and finish != "processing"
+        if not left_processing and finish != "forgotten":  # forgotten: also never sent
             return None
         worker = self._given.pop(key, None)
         if worker is None or worker not in self._unfinished:
