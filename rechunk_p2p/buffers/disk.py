@@ -256,10 +256,9 @@ class DiskShardStore:
         Hold `_lock`."""
         if self._flushing or self._pending_bytes < max(self._buffer_bytes // 2, 1):
             return []
-        full = self._take_pending_locked()
-        self._flushing = sum(int(r["nbytes"].sum()) for r, _ in full)
+        self._flushing = self._pending_bytes
         self._inflight += 1  # close waits for it
-        return full
+        return self._take_pending_locked()
 
     def _flush_in_background_blocking(
         self, pending: list[tuple[np.ndarray, list[memoryview]]]

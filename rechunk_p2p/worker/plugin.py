@@ -183,8 +183,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         state = getattr(self.worker, "state", None)
         while True:
             await asyncio.sleep(UNFREEZE_IDLE_SECONDS / 4)
-            busy = self._fetching or (state is not None and state.executing)
-            if busy or not _tuning.frozen_unused:
+            # a request for a run holds the tuning, so frozen_unused is false meanwhile
+            if (state is not None and state.executing) or not _tuning.frozen_unused:
                 idle_since = None
                 continue
             now = asyncio.get_running_loop().time()
