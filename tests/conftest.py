@@ -24,17 +24,22 @@ def spill_files(local_directory: str) -> list[str]:
 
 
 async def assert_clean(scheduler, *workers, timeout: float = 5.0) -> None:
-    """No run left on the scheduler or any worker, and no spill files on disk."""
+    """No run left on the scheduler or any worker, none still closing (a worker forgets a
+    run before it frees its buffers and gives back the process tuning), and no spill files
+    on disk."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         active = dict(scheduler.plugins[PLUGIN].active) if PLUGIN in scheduler.plugins else {}
-        runs = {w.address: dict(w.plugins[PLUGIN].runs) for w in workers if PLUGIN in w.plugins}
+        plugins = {w.address: w.plugins[PLUGIN] for w in workers if PLUGIN in w.plugins}
+        runs = {addr: dict(p.runs) for addr, p in plugins.items()}
+        closing = {addr: len(p._background) for addr, p in plugins.items() if p._background}
         files = {w.address: spill_files(w.local_directory) for w in workers}
-        if not active and not any(runs.values()) and not any(files.values()):
+        if not active and not any(runs.values()) and not closing and not any(files.values()):
             return
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(
-                f"Left behind: scheduler runs {active}, worker runs {runs}, files {files}"
+                f"Left behind: scheduler runs {active}, worker runs {runs}, "
+                f"runs closing {closing}, files {files}"
             )
         await asyncio.sleep(0.05)
 
