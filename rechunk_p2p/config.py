@@ -37,6 +37,20 @@ def storage(value: str | None = None) -> Storage:
     return chosen  # type: ignore[return-value]  (checked against the choices above)
 
 
+def direct_io() -> bool | None:
+    """The ``rechunk-p2p.disk-direct-io`` setting: ``True``, ``False`` or ``None`` (auto)."""
+    value = get("disk-direct-io")
+    if value == "auto" or value is None:
+        return None
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise RechunkInputError(
+        f"rechunk-p2p.disk-direct-io is {value!r}; choose one of auto, true, false"
+    )
+
+
 def get(key: str) -> Any:
     """Return the setting ``rechunk-p2p.<key>``.
 

@@ -558,3 +558,38 @@ async def test_outputs_requested_while_the_run_is_on(c, s, a, b):
 
 def _tuple_tasks(s):
     return [ts for ts in s.tasks.values() if isinstance(ts.key, tuple)]
+
+
+@gen_cluster(
+    client=True,
+    nthreads=TWO,
+    config={"rechunk-p2p.storage": "disk", "rechunk-p2p.disk-direct-io": True},
+)
+async def test_disk_storage_unbuffered(c, s, a, b):
+    """``disk-direct-io: true``: the workers' stores write and read their files with
+    O_DIRECT (the engine's own buffers: 64 MiB of write buffer, outputs of 4 KiB shards),
+    and the result is the same."""
+    from rechunk_p2p.buffers import direct
+
+    writes, reads = [], []
+    write, read = direct.DirectFile.write_blocking, direct.DirectFile.read_blocking
+
+    def counted_write(self, views, offset):
+        writes.append(offset)
+        return write(self, views, offset)
+
+    def counted_read(self, offsets, sizes, place):
+        reads.append(len(offsets))
+        return read(self, offsets, sizes, place)
+
+    direct.DirectFile.write_blocking, direct.DirectFile.read_blocking = counted_write, counted_read
+    try:
+        await rechunk_p2p.register(c)
+        arr = np.arange(64 * 48 * 32, dtype="f4").reshape(64, 48, 32)
+        x = da.from_array(arr, chunks=(1, 48, 32))
+        check_result(await c.compute(rechunk_p2p.rechunk(x, (64, 16, 16))), arr)
+    finally:
+        direct.DirectFile.write_blocking, direct.DirectFile.read_blocking = write, read
+    await assert_clean(s, a, b)
+    assert writes and all(offset % direct.ALIGNMENT == 0 for offset in writes)
+    assert len(reads) == 6  # one per output chunk

@@ -19,6 +19,8 @@ INTERNAL = {
     ("worker/dataplane.py", "OSError"): "a peer's close message ends the receive loop",
     ("buffers/disk.py", "OSError"): "short reads/writes; wrapped in RechunkStorageError",
     ("buffers/disk.py", "AssertionError"): "marks an unreachable line",
+    ("buffers/direct.py", "OSError"): "short or refused unbuffered I/O; the disk store wraps "
+    "it in RechunkStorageError",
     ("__init__.py", "AttributeError"): "a module __getattr__ must raise it",
     ("__main__.py", "SystemExit"): "the command line's exit status",
     ("planning/partials.py", "IndexError"): "an index outside a chunk grid, as sequences do; "

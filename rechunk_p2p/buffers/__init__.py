@@ -38,6 +38,7 @@ def make_store(
     directory: str | os.PathLike[str] | None,
     name: str,
     buffer_bytes: int = 0,
+    direct_io: bool | None = None,
     output_shape: Callable[[int], tuple[int, ...]] | None = None,
     placement: Callable[[int], Mapping[int, tuple[slice, ...]]] | None = None,
     in_memory: np.ndarray | None = None,
@@ -63,6 +64,9 @@ def make_store(
     buffer_bytes
         For ``"disk"``: bytes of shards gathered before a write (see
         :class:`DiskShardStore`). Ignored for ``"memory"``.
+    direct_io
+        For ``"disk"``: whether the data file bypasses the page cache (``None``: decided by
+        the store's first write; see :class:`DiskShardStore`). Ignored for ``"memory"``.
     output_shape, placement
         For ``"memory"``: each output chunk's shape and where each input's shard goes in it
         (``{input: slices}``). Given (and the dtype not object), the store fills outputs as
@@ -87,7 +91,7 @@ def make_store(
             return AssemblingMemoryStore(dtype, name, output_shape, placement)
         return MemoryShardStore(dtype, name)
     if kind == "disk":
-        return DiskShardStore(dtype, directory, name, buffer_bytes)
+        return DiskShardStore(dtype, directory, name, buffer_bytes, direct_io)
     if kind == "memory+disk":
         if output_shape is None or placement is None or in_memory is None or dtype.hasobject:
             raise RechunkInputError(
@@ -96,7 +100,7 @@ def make_store(
             )
         return SplitStore(
             AssemblingMemoryStore(dtype, name, output_shape, placement),
-            DiskShardStore(dtype, directory, name, buffer_bytes),
+            DiskShardStore(dtype, directory, name, buffer_bytes, direct_io),
             in_memory,
         )
     raise RechunkInputError(

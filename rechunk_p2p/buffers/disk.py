@@ -47,6 +47,13 @@ from rechunk_p2p.buffers.base import (
     pair_keys,
     place_blocking,
 )
+from rechunk_p2p.buffers.direct import (
+    ENDED_EARLY,
+    DirectFile,
+    aligned_up,
+    open_direct,
+    worth_direct,
+)
 from rechunk_p2p.buffers.wire import Packed, packed_sizes, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError, RechunkStorageError
 
@@ -105,6 +112,11 @@ class DiskShardStore:
         Shards gathered in memory before they are written, ordered by output, so that an
         output is read back in a few large reads instead of one per shard (``0``: each write
         goes to disk at once). They count as held bytes like spilled ones.
+    direct_io
+        Whether the data file is written and read with ``O_DIRECT``, bypassing the page cache
+        (see :mod:`rechunk_p2p.buffers.direct`): ``True`` where the platform and file system
+        allow it, ``False`` never, ``None`` (auto) decided by the first write's mean bytes per
+        output (:func:`~rechunk_p2p.buffers.direct.worth_direct`).
     """
 
     kind = "disk"
@@ -115,6 +127,7 @@ class DiskShardStore:
         directory: str | os.PathLike[str] | None,
         name: str,
         buffer_bytes: int = 0,
+        direct_io: bool | None = None,
     ) -> None:
         self.dtype = np.dtype(dtype)
         self.name = name
@@ -142,6 +155,8 @@ class DiskShardStore:
         self._shape_ids: dict[tuple[int, ...], int] = {}
         self._ledger = ShardLedger()
         self._fd: int | None = None
+        self._direct_io = direct_io  # None until the first write decides (auto)
+        self._direct: DirectFile | None = None  # once the file is open unbuffered too
         self._path: str | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -307,13 +322,16 @@ class DiskShardStore:
             if self._closed:
                 self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
                 raise closed_error(self.kind, self.name, "write shards")
+            if self._direct_io is None:
+                self._direct_io = worth_direct(total, len(np.unique(rows["output"])))
             start = self._end
-            self._end += total
+            # unbuffered writes start at aligned offsets (the last block padded)
+            self._end += aligned_up(total) if self._direct_io else total
             self._inflight += 1
         rows["offset"] = start + np.cumsum(rows["nbytes"]) - rows["nbytes"]
         try:
             fd = self._ensure_file_blocking()
-            pwritev_all(fd, views, start)
+            self._write_at_blocking(fd, views, start)
         except OSError as exc:
             with self._lock:
                 self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
@@ -322,6 +340,21 @@ class DiskShardStore:
         with self._lock:
             self._unsorted.append(rows)
             self._release_locked()
+
+    def _write_at_blocking(self, fd: int, views: list[memoryview], start: int) -> None:
+        """Write ``views`` at ``start``: unbuffered if the store is, falling back to the
+        page cache for good if the file system turns out to refuse it (``EINVAL``)."""
+        direct = self._direct
+        if direct is not None:
+            try:
+                direct.write_blocking(views, start)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                with self._lock:
+                    self._direct = None  # reads of what was written work either way
+        pwritev_all(fd, views, start)
 
     def _shape_ids_locked(self, shapes: Sequence[tuple[int, ...]]) -> list[int] | int:
         """Ids of ``shapes`` in the store's table of shapes (one id when they are all one)."""
@@ -355,16 +388,21 @@ class DiskShardStore:
         with self._create_lock:
             if self._fd is None:
                 created: list[str] = []
-                path = None
+                path, fd = None, None
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
                 try:
                     path = _make_store_directory(self.directory, _safe_name(self.name), created)
-                    fd = os.open(os.path.join(path, DATA_FILE), flags, 0o600)
+                    data_file = os.path.join(path, DATA_FILE)
+                    fd = os.open(data_file, flags, 0o600)
+                    direct_fd = open_direct(data_file) if self._direct_io else None
                 except OSError:
-                    _remove_blocking(None, path, created)
+                    _remove_blocking((fd,) if fd is not None else (), path, created)
                     raise
+                fds = (fd,) if direct_fd is None else (fd, direct_fd)
                 self._path = path
-                self._finalizer = weakref.finalize(self, _remove_blocking, fd, path, created)
+                self._finalizer = weakref.finalize(self, _remove_blocking, fds, path, created)
+                if direct_fd is not None:
+                    self._direct = DirectFile(direct_fd)
                 self._fd = fd
             return self._fd
 
@@ -495,6 +533,11 @@ class DiskShardStore:
             )
         starts = ends - sorted_rows["nbytes"]
         offsets = sorted_rows["offset"]
+        direct = self._direct
+        if direct is not None:
+            place = _stacking_into(np.frombuffer(target, dtype=np.uint8), starts, sorted_rows)
+            direct.read_blocking(offsets, sorted_rows["nbytes"], place)
+            return [order[k] for k in range(present)]
         # a new pread wherever the next shard does not follow the previous one in the file
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sorted_rows["nbytes"][:-1]) + 1
         bounds = np.concatenate(([0], breaks, [len(sorted_rows)])).tolist()
@@ -530,9 +573,26 @@ class DiskShardStore:
                 buffer = np.empty(shape, dtype=self.dtype)
                 staged.append((region, buffer))
                 targets.append((offset, memoryview(buffer.reshape(-1).view(np.uint8))))
-        _read_targets_blocking(fd, targets)
+        self._read_targets_blocking(fd, targets)
         for region, buffer in staged:
             region[...] = buffer
+
+    def _read_targets_blocking(self, fd: int, targets: list[tuple[int, memoryview]]) -> None:
+        """Fill each ``(file offset, view)`` target: unbuffered if the store is, else one
+        ``preadv`` per run of adjacent ones."""
+        direct = self._direct
+        if direct is None:
+            _read_targets_blocking(fd, targets)
+            return
+        views = [view.cast("B") if view.format != "B" else view for _, view in targets]
+
+        def place(stage: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> None:
+            for k, at in zip(rows.tolist(), positions.tolist()):
+                views[k][:] = stage[at : at + views[k].nbytes]
+
+        offsets = np.array([offset for offset, _ in targets], dtype=np.int64)
+        sizes = np.array([view.nbytes for view in views], dtype=np.int64)
+        direct.read_blocking(offsets, sizes, place)
 
     def _read_entries_blocking(self, fd: int, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """Allocate one buffer per entry and fill them, coalescing adjacent entries; the
@@ -552,7 +612,7 @@ class DiskShardStore:
                 result.append((input_, array))
             if nbytes:
                 targets.append((offset, memoryview(buffer)))
-        _read_targets_blocking(fd, targets)
+        self._read_targets_blocking(fd, targets)
         for input_, position, buffer in raw:
             result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer))))
         return result
@@ -587,8 +647,11 @@ class DiskShardStore:
             self._held.clear()
             self._ledger.clear()
             flusher, self._flusher = self._flusher, None
+            direct = self._direct
         if flusher is not None:
             flusher.shutdown(wait=True)  # its last write is done (nothing in flight)
+        if direct is not None:
+            direct.close_blocking()
         if not first:
             self._close_done.wait()
             return
@@ -639,12 +702,9 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
     if hasattr(os, "preadv"):
         if len(views) == 1 and os.preadv(fd, views, offset) == views[0].nbytes:
             return  # the usual case, done in one call
-        _all_of(fd, views, offset, os.preadv, _ENDED_EARLY)
+        _all_of(fd, views, offset, os.preadv, ENDED_EARLY)
     else:  # pragma: no cover - platforms without preadv
-        _all_of(fd, views, offset, _pread_into, _ENDED_EARLY)
-
-
-_ENDED_EARLY = "the data file ended early (was it truncated or removed?)"
+        _all_of(fd, views, offset, _pread_into, ENDED_EARLY)
 
 
 def _all_of(
@@ -724,6 +784,28 @@ def _columns(rows: np.ndarray) -> Iterable[tuple[int, int, int, int]]:
     )
 
 
+def _stacking_into(
+    target: np.ndarray, starts: np.ndarray, rows: np.ndarray
+) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """A ``place`` for :meth:`DirectFile.read_blocking` that copies row ``k`` of ``rows``
+    to ``target[starts[k]:]`` (one vectorised copy when every row has one size that its
+    start and position are multiples of)."""
+    nbytes = rows["nbytes"]
+    width = int(nbytes[0]) if len(nbytes) else 0
+    same = bool(width) and bool((nbytes == width).all()) and not (starts % width).any()
+
+    def place(stage: np.ndarray, picked: np.ndarray, positions: np.ndarray) -> None:
+        if same and target.nbytes % width == 0 and not (positions % width).any():
+            whole = stage[: stage.nbytes - stage.nbytes % width].reshape(-1, width)
+            target.reshape(-1, width)[starts[picked] // width] = whole[positions // width]
+            return
+        for k, at in zip(picked.tolist(), positions.tolist()):
+            start, size = int(starts[k]), int(nbytes[k])
+            target[start : start + size] = stage[at : at + size]
+
+    return place
+
+
 def _read_targets_blocking(fd: int, targets: list[tuple[int, memoryview]]) -> None:
     """Fill each ``(file offset, view)`` target, one ``preadv`` per run of adjacent ones."""
     targets.sort(key=lambda t: t[0])
@@ -791,11 +873,17 @@ def _make_store_directory(parent: str, name: str, created: list[str]) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _remove_blocking(fd: int | None, path: str | None, created_parents: list[str]) -> None:
-    """Close ``fd``, remove ``path`` recursively and the now-empty parents we created."""
+def _remove_blocking(fds: tuple[int, ...], path: str | None, created_parents: list[str]) -> None:
+    """Close ``fds``, remove ``path`` recursively and the now-empty parents we created."""
     try:
-        if fd is not None:
-            os.close(fd)
+        errors = []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
     finally:
         if path is not None:
             with contextlib.suppress(FileNotFoundError):

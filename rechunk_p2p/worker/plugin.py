@@ -271,6 +271,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             directory=directory,
             name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
             buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
+            direct_io=config.direct_io(),
             output_shape=partial.output_shape if known else None,
             placement=partial.output_placement if known else None,
             in_memory=in_memory,

@@ -12,8 +12,9 @@ import pytest
 from rechunk_p2p.buffers import ShardStore, make_store
 
 #: "disk-buffered": a disk store that gathers shards in a small write buffer (flushed every
-#: few writes, and before reads), ordered by output
-KINDS = ("memory", "disk", "disk-buffered")
+#: few writes, and before reads), ordered by output; "disk-direct...": the same two with the
+#: data file written and read unbuffered (O_DIRECT)
+KINDS = ("memory", "disk", "disk-buffered", "disk-direct", "disk-direct-buffered")
 BUFFERED_BYTES = 100
 
 MakeStore = Callable[..., ShardStore]
@@ -41,13 +42,16 @@ def make(kind: str, spill_dir: Path) -> Iterator[MakeStore]:
             dtype=np.dtype(dtype),
             directory=spill_dir,
             name=name,
-            buffer_bytes=BUFFERED_BYTES if kind == "disk-buffered" else 0,
+            buffer_bytes=BUFFERED_BYTES if kind.endswith("-buffered") else 0,
+            direct_io="direct" in kind,
         )
         stores.append(store)
         return store
 
     yield factory
     for store in stores:
+        if "direct" in kind and store.path is not None:  # O_DIRECT is what was tested
+            assert store._direct is not None, "the file system refused O_DIRECT"
         store.close_blocking()
     assert not spill_dir.exists(), os.listdir(spill_dir)
     assert not spill_dir.parent.exists()

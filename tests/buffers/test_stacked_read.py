@@ -16,7 +16,7 @@ from rechunk_p2p.buffers.wire import pack_blocking
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.planning import Partial
 
-KINDS = ["memory", "disk", "disk-packed", "disk-buffered"]
+KINDS = ["memory", "disk", "disk-packed", "disk-buffered", "disk-direct", "disk-direct-buffered"]
 
 
 def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> Partial:
@@ -27,7 +27,8 @@ def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...
 def new_store(kind: str, dtype: np.dtype, name: str, directory: str):
     if kind == "memory":
         return MemoryShardStore(dtype, name)
-    return DiskShardStore(dtype, directory, name, buffer_bytes=64 if kind == "disk-buffered" else 0)
+    buffer_bytes = 64 if kind.endswith("-buffered") else 0
+    return DiskShardStore(dtype, directory, name, buffer_bytes, direct_io="direct" in kind)
 
 
 def write_all(store, partial: Partial, data: np.ndarray, packed: bool = False) -> None:

@@ -74,7 +74,7 @@ def test_statistics_snapshot_is_immutable(make, kind):
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.shards = 5  # type: ignore[misc]
     assert not hasattr(stats, "__dict__")
-    in_memory = 0 if kind == "disk" else 40  # all of it, or the write buffer's
+    in_memory = 0 if kind in ("disk", "disk-direct") else 40  # none, or all (or the buffer)
     spilled = 40 if kind.startswith("disk") else 0
     assert stats == StoreStatistics(kind.split("-")[0], 1, 0, 40, 0, 40, 1, in_memory, spilled)
 
