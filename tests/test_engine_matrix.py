@@ -593,3 +593,34 @@ async def test_disk_storage_unbuffered(c, s, a, b):
     await assert_clean(s, a, b)
     assert writes and all(offset % direct.ALIGNMENT == 0 for offset in writes)
     assert len(reads) == 6  # one per output chunk
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"rechunk-p2p.storage": "disk"})
+async def test_auto_direct_io_follows_the_hosts_spill(c, s, a, b):
+    """``disk-direct-io: auto``: unbuffered when the bytes the host's workers spill outgrow
+    the page cache's writeback threshold, through the page cache when they fit it."""
+    from rechunk_p2p.buffers import direct
+    from rechunk_p2p.worker import plugin as plugin_module
+
+    writes = []
+    write, threshold = direct.DirectFile.write_blocking, plugin_module.writeback_threshold_bytes
+
+    def counted_write(self, views, offset):
+        writes.append(offset)
+        return write(self, views, offset)
+
+    await rechunk_p2p.register(c)
+    arr = np.arange(128 * 48 * 32, dtype="f4").reshape(128, 48, 32)
+    x = da.from_array(arr, chunks=(1, 48, 32))
+    seen = []
+    direct.DirectFile.write_blocking = counted_write
+    try:
+        for limit in (arr.nbytes - 1, arr.nbytes):  # both workers on this host: all of it
+            plugin_module.writeback_threshold_bytes = lambda limit=limit: limit
+            check_result(await c.compute(rechunk_p2p.rechunk(x, (128, 16, 16))), arr)
+            await assert_clean(s, a, b)
+            seen.append(len(writes))
+    finally:
+        direct.DirectFile.write_blocking = write
+        plugin_module.writeback_threshold_bytes = threshold
+    assert seen[0] > 0 and seen[1] == seen[0]  # unbuffered first, then through the cache

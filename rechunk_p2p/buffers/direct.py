@@ -46,9 +46,10 @@ READS_IN_FLIGHT = 4
 
 ENDED_EARLY = "the data file ended early (was it truncated or removed?)"
 
-#: ``auto`` uses ``O_DIRECT`` when a store's first write holds at least this many bytes per
-#: output on average: below it an output's extents are too small to read from the disk one
-#: by one, and the page cache serves them better.
+#: ``auto`` uses ``O_DIRECT`` when the shards a host's workers spill outgrow what the page
+#: cache holds before writing back (:func:`writeback_threshold_bytes`), and a store's first
+#: write holds at least this many bytes per output on average: below it an output's extents
+#: are too small to read from the disk one by one, and the page cache serves them better.
 MIN_MEAN_EXTENT = 64 << 10
 
 #: ``place(stage, rows, positions)``: copy rows ``rows`` (indices into the arrays given to
@@ -74,6 +75,24 @@ def worth_direct(nbytes: int, outputs: int) -> bool:
     (True, False)
     """
     return nbytes >= MIN_MEAN_EXTENT * max(outputs, 1)
+
+
+def writeback_threshold_bytes() -> int | None:
+    """Bytes of dirty page cache past which Linux starts writing back to disk in the
+    background (``vm.dirty_background_bytes``, else ``vm.dirty_background_ratio`` percent
+    of the memory available); ``None`` where unknown (not Linux)."""
+    try:
+        with open("/proc/sys/vm/dirty_background_bytes") as f:
+            nbytes = int(f.read())
+        if nbytes:
+            return nbytes
+        with open("/proc/sys/vm/dirty_background_ratio") as f:
+            ratio = int(f.read())
+    except (OSError, ValueError):
+        return None
+    import psutil
+
+    return psutil.virtual_memory().available * ratio // 100
 
 
 def open_direct(path: str) -> int | None:

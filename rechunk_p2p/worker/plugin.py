@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from dask.utils import parse_timedelta
 from distributed import Reschedule, WorkerPlugin
+from distributed.comm import get_address_host
 from distributed.core import clean_exception
 from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
@@ -29,6 +30,7 @@ from distributed.protocol.serialize import ToPickle
 from rechunk_p2p import config
 from rechunk_p2p.buffers import make_store
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
+from rechunk_p2p.buffers.direct import writeback_threshold_bytes
 from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
@@ -271,7 +273,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             directory=directory,
             name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
             buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
-            direct_io=config.direct_io(),
+            direct_io=self._direct_io(run_spec, storage),
             output_shape=partial.output_shape if known else None,
             placement=partial.output_placement if known else None,
             in_memory=in_memory,
@@ -348,6 +350,26 @@ class RechunkWorkerPlugin(WorkerPlugin):
             return "memory", None
         in_memory = self._outputs_within(run_spec, budget)
         return ("disk", None) if in_memory is None else ("memory+disk", in_memory)
+
+    def _direct_io(self, run_spec: RunSpec, storage: str) -> bool | None:
+        """``disk-direct-io`` for the run's store here. ``auto``: not when the shards this
+        host's workers are expected to spill (this worker's share of the run, beyond its
+        memory budget, times the run's workers on this host) fit within the page cache's
+        writeback threshold: the cache holds them then, and serves them back from memory;
+        else the store decides by its first write (``None``)."""
+        chosen = config.direct_io()
+        if chosen is not None or storage not in ("disk", "memory+disk"):
+            return chosen
+        threshold = writeback_threshold_bytes()
+        if threshold is None:
+            return False
+        share = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
+        if storage == "memory+disk":
+            limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
+            share -= (limit or 0) * config.get("storage-memory-fraction")
+        host = get_address_host(self.worker.address)
+        here = sum(get_address_host(w) == host for w in run_spec.workers)
+        return None if share * max(here, 1) > threshold else False
 
     def _outputs_within(self, run_spec: RunSpec, budget: float) -> np.ndarray | None:
         """One boolean per flat output: this worker's first outputs (ascending) whose bytes
