@@ -367,8 +367,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         if storage == "memory+disk":
             limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
             share -= (limit or 0) * config.get("storage-memory-fraction")
-        host = get_address_host(self.worker.address)
-        here = sum(get_address_host(w) == host for w in run_spec.workers)
+        host = _host(self.worker.address)
+        here = sum(_host(w) == host for w in run_spec.workers)
         return None if share * max(here, 1) > threshold else False
 
     def _outputs_within(self, run_spec: RunSpec, budget: float) -> np.ndarray | None:
@@ -694,6 +694,15 @@ def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
 
 
 _tuning = _ProcessTuning()
+
+
+def _host(address: str) -> str:
+    """The host of a worker's address (the address itself where it names no host and port,
+    as in-process test seams do)."""
+    try:
+        return get_address_host(address)
+    except ValueError:
+        return address
 
 
 def _checked(response: dict) -> dict:
