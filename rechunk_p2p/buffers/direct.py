@@ -28,7 +28,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -193,7 +193,9 @@ class DirectFile:
                 done = [os.preadv(self.fd, [reads[0][0]], reads[0][1])]
             else:
                 pool = self._read_pool()
-                done = list(pool.map(lambda r: os.preadv(self.fd, [r[0]], r[1]), reads))
+                futures = [pool.submit(os.preadv, self.fd, [r[0]], r[1]) for r in reads]
+                wait(futures)  # all of them, also when one failed: the buffer is reused
+                done = [f.result() for f in futures]
             rows = np.concatenate([order[lo:hi] for _, _, _, lo, hi in reads])
             positions = np.concatenate(
                 [offsets[order[lo:hi]] - base + at for _, base, at, lo, hi in reads]
@@ -212,11 +214,10 @@ class DirectFile:
         return mmap.mmap(-1, STAGE_BYTES)  # page-aligned
 
     def _give_stage(self, stage: mmap.mmap) -> None:
+        # a closed file drops it: freed with its last view (a traceback may hold one)
         with self._lock:
             if not self._closed:
                 self._stages.append(stage)
-                return
-        stage.close()
 
     def _read_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -231,11 +232,9 @@ class DirectFile:
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
-            stages, self._stages = self._stages, []
+            self._stages.clear()
         if pool is not None:
             pool.shutdown(wait=True)
-        for stage in stages:
-            stage.close()
 
 
 def _units(offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int, int]]:

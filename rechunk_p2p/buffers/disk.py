@@ -157,6 +157,7 @@ class DiskShardStore:
         self._fd: int | None = None
         self._direct_io = direct_io  # None until the first write decides (auto)
         self._direct: DirectFile | None = None  # once the file is open unbuffered too
+        self._direct_file: DirectFile | None = None  # the same, kept after a fallback
         self._path: str | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -402,7 +403,7 @@ class DiskShardStore:
                 self._path = path
                 self._finalizer = weakref.finalize(self, _remove_blocking, fds, path, created)
                 if direct_fd is not None:
-                    self._direct = DirectFile(direct_fd)
+                    self._direct = self._direct_file = DirectFile(direct_fd)
                 self._fd = fd
             return self._fd
 
@@ -647,7 +648,7 @@ class DiskShardStore:
             self._held.clear()
             self._ledger.clear()
             flusher, self._flusher = self._flusher, None
-            direct = self._direct
+            direct = self._direct_file
         if flusher is not None:
             flusher.shutdown(wait=True)  # its last write is done (nothing in flight)
         if direct is not None:

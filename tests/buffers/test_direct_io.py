@@ -197,3 +197,30 @@ def test_a_bad_setting_is_a_clear_error():
         pytest.raises(RechunkInputError, match=expected),
     ):
         config.direct_io()
+
+
+def test_a_failed_read_waits_for_the_others_before_the_buffer_is_reused(monkeypatch, tmp_path):
+    """One of several reads in flight fails: the error is a storage error, raised only once
+    the other reads into the same staging buffer have finished."""
+    import time
+
+    store = DiskShardStore(np.dtype("u1"), tmp_path, "fail", direct_io=True)
+    for k in range(6):  # output 0's shards far apart: one read each, several in flight
+        store.write_blocking([(0, k, np.ones(200_000, np.uint8))])
+        store.write_blocking([(1, k, np.ones(200_000, np.uint8))])
+    real, finished = os.preadv, []
+
+    def preadv(fd, buffers, offset):
+        if offset == 0:
+            raise OSError(errno.EIO, "Input/output error")
+        time.sleep(0.05)
+        finished.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(direct.os, "preadv", preadv)
+    with pytest.raises(RechunkStorageError, match="Input/output error"):
+        store.read_blocking(0)
+    assert len(finished) == 5  # every other read of the window was done first
+    monkeypatch.setattr(direct.os, "preadv", real)
+    store.close_blocking()
+    assert not os.listdir(tmp_path)
