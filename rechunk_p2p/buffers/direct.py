@@ -1,7 +1,8 @@
 """Unbuffered (``O_DIRECT``) reads and writes of the disk store's data file.
 
 Where it runs: task threads, the offload pool and a disk store's flush thread (blocking;
-never on the event loop).
+never on the event loop), but :func:`writeback_threshold_bytes`, read on the worker's loop
+when a run opens (two small ``/proc`` files).
 
 Why: a spill goes through the page cache twice for nothing. Every spilled byte takes a page
 of the cache first (on a virtual machine whose host takes back free memory, a page touched
@@ -80,7 +81,8 @@ def worth_direct(nbytes: int, outputs: int) -> bool:
 def writeback_threshold_bytes() -> int | None:
     """Bytes of dirty page cache past which Linux starts writing back to disk in the
     background (``vm.dirty_background_bytes``, else ``vm.dirty_background_ratio`` percent
-    of the memory available); ``None`` where unknown (not Linux)."""
+    of the memory available); ``None`` where unknown (not Linux). Reads ``/proc`` only
+    (no disk): cheap enough for the event loop, once per run."""
     try:
         with open("/proc/sys/vm/dirty_background_bytes") as f:
             nbytes = int(f.read())

@@ -16,7 +16,8 @@ serialise on I/O; only then are the shards published in the index, numpy rows of
 into the output or fresh arrays (adjacent byte ranges in one call). Fixed-width dtypes are
 stored as raw bytes; dtypes holding Python objects are pickled (protocol 5). Disk space of
 discarded outputs is reclaimed only when the store is closed, which removes the file and the
-directory.
+directory. A store may write and read its file unbuffered instead (``direct_io``,
+:mod:`rechunk_p2p.buffers.direct`): every write then starts at an aligned offset.
 """
 
 from __future__ import annotations
