@@ -595,7 +595,11 @@ async def test_disk_storage_unbuffered(c, s, a, b):
     assert len(reads) == 6  # one per output chunk
 
 
-@gen_cluster(client=True, nthreads=TWO, config={"rechunk-p2p.storage": "disk"})
+@gen_cluster(
+    client=True,
+    nthreads=TWO,
+    config={"rechunk-p2p.storage": "disk", "rechunk-p2p.disk-direct-io": "auto"},
+)
 async def test_auto_direct_io_follows_the_hosts_spill(c, s, a, b):
     """``disk-direct-io: auto``: unbuffered when the bytes the host's workers spill outgrow
     the page cache's writeback threshold, through the page cache when they fit it."""
