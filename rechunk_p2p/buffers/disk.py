@@ -537,7 +537,8 @@ class DiskShardStore:
         offsets = sorted_rows["offset"]
         direct = self._direct
         if direct is not None:
-            place = _stacking_into(np.frombuffer(target, dtype=np.uint8), starts, sorted_rows)
+            stack = np.frombuffer(target, dtype=np.uint8)
+            place = _stacking_into(stack, starts, sorted_rows["nbytes"])
             direct.read_blocking(offsets, sorted_rows["nbytes"], place)
             return [order[k] for k in range(present)]
         # a new pread wherever the next shard does not follow the previous one in the file
@@ -787,23 +788,23 @@ def _columns(rows: np.ndarray) -> Iterable[tuple[int, int, int, int]]:
 
 
 def _stacking_into(
-    target: np.ndarray, starts: np.ndarray, rows: np.ndarray
+    target: np.ndarray, starts: np.ndarray, nbytes: np.ndarray
 ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
-    """A ``place`` for :meth:`DirectFile.read_blocking` that copies row ``k`` of ``rows``
-    to ``target[starts[k]:]`` (one vectorised copy when every row has one size that its
-    start and position are multiples of)."""
-    nbytes = rows["nbytes"]
-    width = int(nbytes[0]) if len(nbytes) else 0
-    same = bool(width) and bool((nbytes == width).all()) and not (starts % width).any()
+    """A ``place`` for :meth:`DirectFile.read_blocking` that copies row ``k`` (``nbytes[k]``
+    bytes) to ``target[starts[k]:]``: one slice copy per run of rows that follow each other
+    in the staging buffer and in ``target`` alike (a flush's shards of one output lie in
+    input order, so runs are long), and no temporary copy."""
 
     def place(stage: np.ndarray, picked: np.ndarray, positions: np.ndarray) -> None:
-        if same and target.nbytes % width == 0 and not (positions % width).any():
-            whole = stage[: stage.nbytes - stage.nbytes % width].reshape(-1, width)
-            target.reshape(-1, width)[starts[picked] // width] = whole[positions // width]
+        if not len(picked):
             return
-        for k, at in zip(picked.tolist(), positions.tolist()):
-            start, size = int(starts[k]), int(nbytes[k])
-            target[start : start + size] = stage[at : at + size]
+        sizes, dst = nbytes[picked], starts[picked]
+        ends = positions + sizes
+        apart = (positions[1:] != ends[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
+        bounds = [0, *(np.flatnonzero(apart) + 1).tolist(), len(picked)]
+        for lo, hi in itertools.pairwise(bounds):
+            src, to, size = int(positions[lo]), int(dst[lo]), int(ends[hi - 1] - positions[lo])
+            target[to : to + size] = stage[src : src + size]
 
     return place
 

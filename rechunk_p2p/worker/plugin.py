@@ -341,15 +341,20 @@ class RechunkWorkerPlugin(WorkerPlugin):
         storage = run_spec.spec.storage
         if storage != "auto":
             return storage, None
-        limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
-        if not limit:
+        budget = self._memory_budget()
+        if budget is None:
             return "memory", None
-        budget = limit * config.get("storage-memory-fraction")
         estimate = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
         if estimate <= budget:
             return "memory", None
         in_memory = self._outputs_within(run_spec, budget)
         return ("disk", None) if in_memory is None else ("memory+disk", in_memory)
+
+    def _memory_budget(self) -> float | None:
+        """Bytes of shards ``auto`` lets a run hold in memory here (``storage-memory-fraction``
+        of the memory limit); ``None`` for a worker without a limit."""
+        limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
+        return limit * config.get("storage-memory-fraction") if limit else None
 
     def _direct_io(self, run_spec: RunSpec, storage: str) -> bool | None:
         """``disk-direct-io`` for the run's store here. ``auto``: not when the shards this
@@ -365,8 +370,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             return False
         share = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
         if storage == "memory+disk":
-            limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
-            share -= (limit or 0) * config.get("storage-memory-fraction")
+            share -= self._memory_budget() or 0
         host = _host(self.worker.address)
         here = sum(_host(w) == host for w in run_spec.workers)
         return None if share * max(here, 1) > threshold else False

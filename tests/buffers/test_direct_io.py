@@ -143,7 +143,7 @@ def test_reads_in_small_windows_units_and_huge_extents(monkeypatch, tmp_path, bu
     store.close_blocking()
 
 
-def test_stacked_read_of_equal_shards_is_one_vectorised_copy(tmp_path):
+def test_stacked_read_of_equal_shards_written_out_of_order(tmp_path):
     """Equal-sized shards written out of order (several flushes) land in input order."""
     width = 4096
     store = DiskShardStore(np.dtype("u1"), tmp_path, "equal", 3 * width, direct_io=True)
