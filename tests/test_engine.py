@@ -364,6 +364,57 @@ async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
     await assert_clean(s, a, b)
 
 
+@gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.worker.output-reuse": False})
+async def test_freed_outputs_are_kept_only_while_a_run_is_open_and_reuse_is_on(c, s, a, b):
+    from rechunk_p2p.buffers.pages import OUTPUT_PAGES
+
+    await rechunk_p2p.register(c)
+    assert not OUTPUT_PAGES.keeping
+    fut = await _open_gated_run(c, a, b)
+    assert not OUTPUT_PAGES.keeping  # output-reuse: false
+    _TUNING_GATE.set()
+    await fut
+    del fut
+    await assert_clean(s, a, b)
+    with dask.config.set({"rechunk-p2p.worker.output-reuse": True}):
+        fut = await _open_gated_run(c, a, b)
+        assert OUTPUT_PAGES.keeping
+        _TUNING_GATE.set()
+        await fut
+    del fut
+    await assert_clean(s, a, b)
+    assert not OUTPUT_PAGES.keeping and OUTPUT_PAGES.held_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    [((512, 32), (32, 512)), ((100, 100), (256, 128))],
+    ids=["stacked", "pieces"],
+)
+@gen_cluster(client=True, nthreads=NTHREADS_2)
+async def test_outputs_on_kept_pages_are_written_whole(c, s, a, b, storage, source, target):
+    """Kept pages are handed out as they are: with the pool full of freed outputs whose
+    every byte is 0xFF (NaN), the outputs made on them must still be exactly the input."""
+    from rechunk_p2p.buffers.pages import OUTPUT_PAGES
+
+    x = da.random.default_rng(3).random((512, 512), chunks=source)
+    nbytes = target[0] * target[1] * 8
+    OUTPUT_PAGES.open()  # as a run does: freed mappings are kept
+    try:
+        poisoned = [OUTPUT_PAGES.take_blocking(nbytes) for _ in range(4)]
+        for array in poisoned:
+            array[:] = 0xFF
+        del poisoned, array
+        assert OUTPUT_PAGES.held_bytes >= 4 * nbytes
+        reused = OUTPUT_PAGES.reused
+        await _check(c, s, [a, b], x, target)
+        assert OUTPUT_PAGES.reused - reused >= 4
+    finally:
+        unmap = OUTPUT_PAGES.close()
+        if unmap is not None:
+            unmap()
+
+
 def _runs(worker) -> dict:
     plugin = worker.plugins.get("rechunk-p2p")
     return plugin.runs if plugin is not None else {}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from rechunk_p2p.buffers.pages import OUTPUT_PAGES
 from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
 from rechunk_p2p.worker.allocator import GLIBC_DEFAULT_THRESHOLD
 
@@ -333,17 +334,18 @@ def empty_output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     runs are open malloc keeps freed memory for the next arrays (see
     :mod:`rechunk_p2p.worker.allocator`); an output of :data:`OWN_PAGES_BYTES` or more is
     therefore a private anonymous mapping of its own, unmapped when the array is freed, as
-    malloc does for such arrays in a worker otherwise. No huge pages are advised (numpy
-    advises them for its own arrays from 4 MiB on): with outputs so advised, the workers
-    spent 2-3 times the kernel time on the benchmark's workloads, on a VM (why is not
-    known: the kernel did not stall to compact memory, see docs/performance.md).
+    malloc does for such arrays in a worker otherwise; while runs are open, the mapping of
+    an output freed on the worker serves the next output of its size
+    (:mod:`rechunk_p2p.buffers.pages`). No huge pages are advised (numpy advises them for
+    its own arrays from 4 MiB on): with outputs so advised, the workers spent 2-3 times the
+    kernel time on the benchmark's workloads, on a VM (why is not known: the kernel did not
+    stall to compact memory, see docs/performance.md).
     """
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     if count * dtype.itemsize < OWN_PAGES_BYTES or dtype.hasobject:
         return np.empty(shape, dtype=dtype)
-    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE)
-    return np.frombuffer(pages, dtype=dtype, count=count).reshape(shape)
+    return OUTPUT_PAGES.take_blocking(count * dtype.itemsize).view(dtype).reshape(shape)
 
 
 def touch_pages_blocking(array: np.ndarray) -> None:

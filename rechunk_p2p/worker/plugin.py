@@ -33,6 +33,7 @@ from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
 from rechunk_p2p.buffers.direct import writeback_threshold_bytes
 from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
+from rechunk_p2p.buffers.pages import OUTPUT_PAGES
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import (
     BROKEN_CONNECTION,
@@ -311,6 +312,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             config.get("worker.gc-freeze"),
             # not on disk, chosen to hold least: a heap keeps what it held at its fullest
             storage in ("memory", "memory+disk") and config.get("worker.malloc-reuse"),
+            bool(config.get("worker.output-reuse")),
         )
         run = WorkerRun(
             run_spec,
@@ -622,15 +624,21 @@ class _ProcessTuning:
         #: survivors frozen since the first run opened (``_freeze_survivors`` adds to it)
         self.survivors_frozen = 0
         self.malloc = MallocTuning()
+        self._output_pages = False  # OUTPUT_PAGES opened by a run
 
-    def acquire(self, interval: Any, freeze: bool, malloc: bool = False) -> None:
+    def acquire(
+        self, interval: Any, freeze: bool, malloc: bool = False, output_pages: bool = False
+    ) -> None:
         """A run opens: apply the settings (the GIL switch ``interval``, ``None`` to leave
         it; whether to ``freeze`` survivors of collections; whether to hold ``malloc``'s
-        thresholds)."""
+        thresholds; whether to keep freed outputs' pages for the next outputs)."""
         with self._lock:
             self._users += 1
             if malloc:  # also when another run, or a run's request, holds the rest
                 self.malloc.hold()
+            if output_pages and not self._output_pages:
+                OUTPUT_PAGES.open()
+                self._output_pages = True
             if self._users > 1:
                 return
             if interval is not None:
@@ -643,8 +651,8 @@ class _ProcessTuning:
 
     def release(self) -> Callable[[], None] | None:
         """A run closed; when it was the last, undo the settings but the freeze (see
-        :meth:`unfreeze_unused`). Returns blocking work to run in a thread: giving back the
-        memory malloc kept."""
+        :meth:`unfreeze_unused`). Returns blocking work to run in a thread: unmapping the
+        freed outputs' pages kept, and giving back the memory malloc kept."""
         with self._lock:
             self._users -= 1
             if self._users:
@@ -655,7 +663,19 @@ class _ProcessTuning:
             if self._collecting:
                 gc.callbacks.remove(_freeze_survivors)
                 self._collecting = False
-            return self.malloc.trim_blocking if self.malloc.release() else None
+            unmap = None
+            if self._output_pages:
+                unmap = OUTPUT_PAGES.close()
+                self._output_pages = False
+            trim = self.malloc.trim_blocking if self.malloc.release() else None
+        if unmap is None or trim is None:
+            return unmap or trim
+
+        def unmap_and_trim_blocking() -> None:
+            unmap()
+            trim()
+
+        return unmap_and_trim_blocking
 
     def freeze_early(self) -> None:
         """A transfer task reached the worker: freeze the objects that exist, unless a run
