@@ -18,8 +18,8 @@ before anyone reads it).
 How: an output from the pool is an ndarray whose ``base`` is a small holder of the mapping;
 when the last view of the output is gone, the holder's finalizer hands the mapping back
 (or unmaps it, when the pool is closed or full). The pool keeps at most
-``max(limit_bytes, 2 x the mapping's size)`` bytes, only while a run is open on the worker,
-and unmaps everything it keeps when the last run closes.
+``limit_bytes`` (64 MiB), only while a run is open on the worker, and unmaps everything it
+keeps when the last run closes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-#: Bytes of freed output mappings kept while runs are open (at least two of one size fit)
+#: Bytes of freed output mappings kept while runs are open, at most (as malloc's held top of
+#: a heap, rechunk_p2p.worker.allocator.HELD_TOP_BYTES): two outputs of up to 32 MiB fit, one
+#: of up to 64 MiB, and larger ones are unmapped as before, so that the pages kept never
+#: weigh on a worker's memory limit more than that
 POOL_LIMIT_BYTES = 64 * 2**20
 
 
@@ -59,7 +62,7 @@ class OutputPages:
     Parameters
     ----------
     limit_bytes
-        Bytes of mappings kept at most (at least two mappings of one size always fit).
+        Bytes of mappings kept at most.
     """
 
     def __init__(self, limit_bytes: int = POOL_LIMIT_BYTES) -> None:
@@ -127,7 +130,7 @@ class OutputPages:
         """An output's last view is gone: keep its mapping, or unmap it."""
         nbytes = len(pages)
         with self._lock:
-            keep = self._open > 0 and self._held_bytes + nbytes <= max(self.limit_bytes, 2 * nbytes)
+            keep = self._open > 0 and self._held_bytes + nbytes <= self.limit_bytes
             if keep:
                 self._free.setdefault(nbytes, []).append(pages)
                 self._held_bytes += nbytes

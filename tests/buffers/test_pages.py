@@ -89,22 +89,23 @@ def test_the_last_close_unmaps_what_was_kept():
     assert pool.close() is None  # nothing kept, nothing to do
 
 
-def test_what_is_kept_stays_within_the_limit_or_two_mappings():
+def test_what_is_kept_stays_within_the_limit():
     pool = _open_pool(limit=3 * MiB)
     small = [pool.take_blocking(MiB) for _ in range(4)]
     addresses = [a.ctypes.data for a in small]
     del small
     assert pool.held_bytes == 3 * MiB  # the fourth did not fit
     assert sum(_mapped(a) for a in addresses) == 3
-    big = [pool.take_blocking(8 * MiB) for _ in range(3)]
+    big = pool.take_blocking(2 * MiB)
+    address = big.ctypes.data
     del big
-    # past the limit: kept while everything kept fits in two of this size (16 MiB)
-    assert pool.held_bytes == 11 * MiB
+    assert pool.held_bytes == 3 * MiB and not _mapped(address)  # no room left: unmapped
     pool.close()()
     pool.open()
-    big = [pool.take_blocking(8 * MiB) for _ in range(3)]
-    del big
-    assert pool.held_bytes == 16 * MiB
+    larger = pool.take_blocking(4 * MiB)  # larger than the limit: never kept
+    address = larger.ctypes.data
+    del larger
+    assert pool.held_bytes == 0 and not _mapped(address)
 
 
 def test_empty_output_uses_the_worker_pool(monkeypatch):
