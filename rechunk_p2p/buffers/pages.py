@@ -31,11 +31,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-#: Bytes of freed output mappings kept while runs are open, at most (as malloc's held top of
-#: a heap, rechunk_p2p.worker.allocator.HELD_TOP_BYTES): two outputs of up to 32 MiB fit, one
-#: of up to 64 MiB, and larger ones are unmapped as before, so that the pages kept never
-#: weigh on a worker's memory limit more than that
-POOL_LIMIT_BYTES = 64 * 2**20
+from rechunk_p2p.worker.allocator import HELD_TOP_BYTES
+
+#: Bytes of freed output mappings kept while runs are open, at most: as much as malloc keeps
+#: free at the top of a heap then (two outputs of up to 32 MiB fit, one of up to 64 MiB, and
+#: larger ones are unmapped as before), so that the pages kept never weigh on a worker's
+#: memory limit more than that
+POOL_LIMIT_BYTES = HELD_TOP_BYTES
 
 
 class _Holder:
