@@ -24,7 +24,9 @@ from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
 from rechunk_p2p.planning import RechunkPlan
-from rechunk_p2p.planning.axes import Chunks
+from rechunk_p2p.planning.axes import Chunks, element_bytes
+from rechunk_p2p.planning.groups import transfer_groups
+from rechunk_p2p.sources import InputSources, find_sources
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,8 @@ def rechunk_array(
     _require_numpy_chunks(x)
     storage = config.storage()
     unknown = _unknown_axes(x)
-    the_plan = _make_plan(x, new, block_size_limit, n_workers=1)
+    sources = _joinable(x)
+    the_plan = _make_plan(x, new, block_size_limit, n_workers=1, joinable=sources is not None)
     ensure_registered()
     token = tokenize(x, new, storage, the_plan)  # the plan: settings that shape the graph
     logger.debug("rechunk_p2p: %s -> %s runs on the P2P engine (token %s)", x.name, new, token)
@@ -51,7 +54,9 @@ def rechunk_array(
         from rechunk_p2p.integrations.array_expr import p2p_rechunk_expr
 
         return p2p_rechunk_expr(x, the_plan, token, storage, new, unknown)
-    return build_rechunk(x, the_plan, token, storage, new_chunks=new, unknown_axes=unknown)
+    return build_rechunk(
+        x, the_plan, token, storage, new_chunks=new, unknown_axes=unknown, sources=sources
+    )
 
 
 def plan_array(
@@ -67,12 +72,20 @@ def plan_array(
     _require_numpy_chunks(x)
     if n_workers is None:
         n_workers = current_n_workers()
-    return _make_plan(x, new, block_size_limit, n_workers)
+    return _make_plan(x, new, block_size_limit, n_workers, joinable=_joinable(x) is not None)
 
 
 def _is_expression(x: da.Array) -> bool:
     """Whether ``x`` is an array of dask's query planning (an expression collection)."""
     return type(x).__module__.startswith("dask.array._array_expr")
+
+
+def _joinable(x: da.Array) -> InputSources | None:
+    """The tasks that make ``x``'s chunks, when transfer tasks may make and join them
+    (``transfer-group-bytes`` above 0, no query planning, chunk sizes known)."""
+    if config.get_bytes("transfer-group-bytes") <= 0 or _is_expression(x) or _unknown_axes(x):
+        return None
+    return find_sources(x)
 
 
 def _unknown_axes(x: da.Array) -> tuple[int, ...]:
@@ -90,11 +103,20 @@ def _planned(chunks: Chunks, unknown: tuple[int, ...]) -> Chunks:
 
 
 def _make_plan(
-    x: da.Array, new: Chunks, block_size_limit: int | None, n_workers: int
+    x: da.Array,
+    new: Chunks,
+    block_size_limit: int | None,
+    n_workers: int,
+    joinable: bool = False,
 ) -> RechunkPlan:
-    """The plan of the shuffle of ``x``'s own chunks (nothing moves them before it)."""
+    """The plan of the shuffle of ``x``'s chunks (nothing moves them before it); with
+    ``joinable``, transfer tasks make and join neighbouring chunks where that pays."""
     unknown = _unknown_axes(x)
     old, new = _planned(x.chunks, unknown), _planned(new, unknown)
+    groups = None
+    if joinable:
+        limit = config.get_bytes("transfer-group-bytes")
+        groups = transfer_groups(old, new, element_bytes(x.dtype), limit, fixed_axes=unknown)
     return RechunkPlan(
         tuple(sum(c) for c in old),
         x.dtype,
@@ -105,6 +127,7 @@ def _make_plan(
         send_buffer_bytes=config.get_optional_bytes("comm.run-buffer-bytes"),
         partial_bytes=config.get_bytes("partial-bytes"),
         partial_outputs=config.get_count("partial-outputs"),
+        groups=groups,
     )
 
 

@@ -12,23 +12,34 @@ task per output chunk under the same output name.
 Culling (computing part of the output) keeps, per partial, only the outputs asked for and the
 inputs that hold a piece of one of them: the culled sub-shuffle is a smaller shuffle with an
 id of its own, or plain tasks when one output chunk is left.
+
+When the plan joins input chunks (``RechunkPlan.groups``), the tasks that make them are taken
+from the input's graph (:mod:`rechunk_p2p.sources`) and run inside the transfer task of their
+group, which joins them before cutting; a partial without a shuffle reads each group from a
+task of its own (``rechunk_p2p-joined-<token>``). The input's own chunk tasks are then no
+dependency of the rechunk: only the few shared values they read are.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import dask.array as da
 import numpy as np
-from dask._task_spec import Task, TaskRef
+from dask._task_spec import GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, Layer
 
 from rechunk_p2p import tasks
+from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.planning import Partial, RechunkPlan
+from rechunk_p2p.planning.groups import group_members
+from rechunk_p2p.sources import InputSources
 from rechunk_p2p.spec import (
+    JOINED_PREFIX,
     OUTPUT_PREFIX,
     ShuffleId,
     ShuffleSpec,
@@ -91,6 +102,9 @@ class RechunkLayer(Layer):
         Axes of unknown chunk sizes (see :func:`rechunk_p2p.spec.widen`).
     keep
         Global indices of the output chunks to build; ``None``: all of them.
+    sources
+        The tasks that make the input's chunks; required when the plan joins input chunks
+        (``plan.groups``), and only used then.
     """
 
     def __init__(
@@ -103,8 +117,13 @@ class RechunkLayer(Layer):
         unknown_axes: tuple[int, ...] = (),
         keep: frozenset[tuple[int, ...]] | None = None,
         annotations: Mapping[str, Any] | None = None,
+        sources: InputSources | None = None,
     ) -> None:
         super().__init__(annotations=annotations)
+        if plan.groups is not None and sources is None:
+            raise RechunkInputError(
+                f"Rechunk {token}: a plan that joins input chunks needs the tasks that make them"
+            )
         self.name = name
         self.input_name = input_name
         self.plan = plan
@@ -112,6 +131,8 @@ class RechunkLayer(Layer):
         self.storage = storage
         self.unknown_axes = unknown_axes
         self.keep = keep
+        self.sources = sources if plan.groups is not None else None
+        self._members: list[tuple[range, ...]] | None = None  # per axis, of each group
         self._graph: dict[Any, Any] | None = None
 
     def __repr__(self) -> str:
@@ -156,6 +177,7 @@ class RechunkLayer(Layer):
                 self.unknown_axes,
                 wanted,
                 self.annotations,
+                self.sources,
             )
         deps = {key: set(task.dependencies) for key, task in layer._dict.items()}
         return layer, deps
@@ -226,8 +248,19 @@ class RechunkLayer(Layer):
         for flat in spec.inputs:
             index = partial.input_index(flat)
             key = (transfers_name, *index)
-            source = TaskRef((self.input_name, *index))
-            dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat)
+            if self.sources is None:
+                source = TaskRef((self.input_name, *index))
+                dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat)
+            else:
+                made = self._joined(index)
+                dsk[key] = Task(
+                    key,
+                    tasks.transfer,
+                    made,
+                    shuffle_id,
+                    flat,
+                    _data_producer=made.data_producer,
+                )
             transfers.append(TaskRef(key))
         bkey = barrier_key(shuffle_id)
         dsk[bkey] = BarrierTask(bkey, tasks.barrier, shuffle_id, *transfers, spec=spec)
@@ -250,11 +283,44 @@ class RechunkLayer(Layer):
                 (widen(in_sl, self.unknown_axes), widen(out_sl, self.unknown_axes))
                 for _, in_sl, out_sl in pieces
             )
-            refs = [TaskRef((self.input_name, *glob)) for glob, _, _ in pieces]
+            refs = [self._input_ref(glob, dsk) for glob, _, _ in pieces]
             dsk[key] = Task(
                 key, tasks.assemble, shape, dtype, placements, *refs, unknown=self.unknown_axes
             )
         return dsk
+
+    def _input_ref(self, index: tuple[int, ...], dsk: dict[Any, Any]) -> TaskRef:
+        """A reference to input ``index`` for a plain task: the input's own chunk, or a task
+        (added to ``dsk``) that makes and joins the chunks of group ``index``."""
+        if self.sources is None:
+            return TaskRef((self.input_name, *index))
+        key = (JOINED_PREFIX + self.token, *index)
+        if key not in dsk:
+            grid, made = self._made(index)
+            producer = any(t.data_producer for t in made)
+            dsk[key] = Task(key, tasks.join, grid, *made, _data_producer=producer)
+        return TaskRef(key)
+
+    def _joined(self, index: tuple[int, ...]) -> GraphNode:
+        """A node, to run inside a transfer task, that makes the input chunks of group
+        ``index`` and joins them into one block."""
+        grid, made = self._made(index)
+        if len(made) == 1:
+            return made[0]
+        producer = any(t.data_producer for t in made)
+        return Task(None, tasks.join, grid, *made, _data_producer=producer)
+
+    def _made(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], list[Task]]:
+        """The grid of input chunks in group ``index`` and the tasks that make them, in C
+        order."""
+        assert self.sources is not None and self.plan.groups is not None
+        if self._members is None:
+            self._members = [group_members(g) for g in self.plan.groups]
+        members = [axis[i] for axis, i in zip(self._members, index)]
+        made = [
+            self.sources.task((self.input_name, *chunk)) for chunk in itertools.product(*members)
+        ]
+        return tuple(len(m) for m in members), made
 
 
 def build_rechunk(
@@ -264,14 +330,23 @@ def build_rechunk(
     storage: str,
     new_chunks: tuple[tuple[float, ...], ...] | None = None,
     unknown_axes: tuple[int, ...] = (),
+    sources: InputSources | None = None,
 ) -> da.Array:
     """The dask array that is ``x`` rechunked to ``plan.new_chunks`` through P2P shuffles.
 
     ``new_chunks`` are the output's chunks when they differ from the plan's (unknown sizes
-    along ``unknown_axes``, which the plan counts as one element per chunk).
+    along ``unknown_axes``, which the plan counts as one element per chunk). ``sources``: the
+    tasks that make ``x``'s chunks, required when the plan joins them; the graph then holds
+    those tasks inside its own and depends only on the values they share, not on ``x``.
     """
     name = OUTPUT_PREFIX + token
-    layer = RechunkLayer(name, x.name, plan, token, storage, unknown_axes)
+    layer = RechunkLayer(name, x.name, plan, token, storage, unknown_axes, sources=sources)
+    if layer.sources is not None:
+        shared = dict(layer.sources.shared)
+        graph = HighLevelGraph(
+            {**shared, name: layer}, {**{k: set() for k in shared}, name: set(shared)}
+        )
+        return da.Array(graph, name, new_chunks or plan.new_chunks, meta=x._meta)
     # An array without elements gets empty chunks that read no input: then x is no dependency.
     reads_x = plan.nbytes > 0
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x] if reads_x else [])

@@ -24,6 +24,7 @@ from rechunk_p2p.planning import Partial, assign_worker
 #: tasks are named after the package.
 BARRIER_PREFIX = "rechunk_p2p-barrier-"
 TRANSFER_PREFIX = "rechunk_p2p-transfer-"
+JOINED_PREFIX = "rechunk_p2p-joined-"
 OUTPUT_PREFIX = "rechunk-p2p-out-"
 
 Slices = tuple[slice, ...]

@@ -11,6 +11,7 @@ Computed without distributed workers (dask's synchronous or threaded scheduler, 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from rechunk_p2p.local import LocalInput, LocalShuffle, assemble, gather_local
 from rechunk_p2p.spec import RunId, ShuffleId, ShuffleSpec
 
-__all__ = ["assemble", "barrier", "empty", "transfer", "unpack"]
+__all__ = ["assemble", "barrier", "empty", "join", "transfer", "unpack"]
 
 
 def _worker() -> Any:
@@ -73,6 +74,25 @@ def unpack(
     if isinstance(run, LocalShuffle):
         return run.output_blocking(flat)
     return _plugin(_worker()).unpack_blocking(shuffle_id, flat, run, key)
+
+
+def join(grid: tuple[int, ...], *blocks: np.ndarray) -> np.ndarray:
+    """Neighbouring input chunks, given in C order over ``grid``, as one block.
+
+    Run inside a transfer task (or, for a partial without a shuffle, a task of its own) that
+    made the chunks itself.
+    """
+    if len(blocks) == 1:
+        return blocks[0]
+    steps = [math.prod(grid[a + 1 :]) for a in range(len(grid))]
+    starts = [
+        np.cumsum([0] + [blocks[i * steps[a]].shape[a] for i in range(n)])
+        for a, n in enumerate(grid)
+    ]
+    out = np.empty(tuple(int(s[-1]) for s in starts), dtype=np.result_type(*blocks))
+    for block, index in zip(blocks, np.ndindex(*grid)):
+        out[tuple(slice(s[i], s[i + 1]) for s, i in zip(starts, index))] = block
+    return out
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

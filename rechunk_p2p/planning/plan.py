@@ -15,6 +15,7 @@ from dask.utils import format_bytes
 
 from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.planning.axes import AxisGroup, Chunks, axis_groups, axis_pieces, element_bytes
+from rechunk_p2p.planning.groups import Groups, grouped_chunks
 from rechunk_p2p.planning.partials import Partial
 
 
@@ -137,6 +138,9 @@ class RechunkPlan:
     ``partial_bytes``: independent sub-shuffles smaller than this are joined with their
     neighbours (``rechunk-p2p.partial-bytes``; 0: never; see :func:`make_partials`), but not
     past ``partial_outputs`` output chunks (``rechunk-p2p.partial-outputs``; 0: no limit).
+    ``groups``: per axis, how many neighbouring input chunks each transfer task makes and
+    cuts together (see :mod:`rechunk_p2p.planning.groups`); ``None``: one each. The shuffle's
+    inputs (``input_chunks``, which partials and shards count) are then those groups.
     """
 
     shape: tuple[int, ...]
@@ -148,6 +152,7 @@ class RechunkPlan:
     send_buffer_bytes: int | None = None
     partial_bytes: int = 0
     partial_outputs: int = 0
+    groups: Groups | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -162,13 +167,28 @@ class RechunkPlan:
                 )
         if self.n_workers < 1:
             raise RechunkInputError(f"A plan needs at least one worker, got {self.n_workers}")
+        if self.groups is not None and (
+            len(self.groups) != len(self.old_chunks)
+            or any(sum(g) != len(o) or 0 in g for g, o in zip(self.groups, self.old_chunks))
+        ):
+            raise RechunkInputError(
+                f"Groups {self.groups} do not cover the input chunks {self.old_chunks}"
+            )
+
+    @cached_property
+    def input_chunks(self) -> Chunks:
+        """The chunks the shuffle cuts: the input's own, or the groups of them that each
+        transfer task joins."""
+        if self.groups is None:
+            return self.old_chunks
+        return tuple(grouped_chunks(o, g) for o, g in zip(self.old_chunks, self.groups))
 
     @cached_property
     def partials(self) -> tuple[Partial, ...]:
         """The independent sub-shuffles (small ones joined up to ``partial_bytes`` and
         ``partial_outputs``)."""
         return make_partials(
-            self.old_chunks,
+            self.input_chunks,
             self.new_chunks,
             min_elements=self.partial_bytes // self.itemsize,
             max_outputs=self.partial_outputs,
@@ -193,17 +213,26 @@ class RechunkPlan:
     def n_output_chunks(self) -> int:
         return math.prod(len(c) for c in self.new_chunks)
 
+    @property
+    def n_transfers(self) -> int:
+        """Input chunks as the shuffle cuts them: one transfer task each, where shuffled."""
+        return math.prod(len(c) for c in self.input_chunks)
+
     @cached_property
     def n_shards(self) -> int:
-        """Non-empty intersections of an input chunk with an output chunk."""
-        return math.prod(len(axis_pieces(o, n)) for o, n in zip(self.old_chunks, self.new_chunks))
+        """Non-empty intersections of a (joined) input chunk with an output chunk."""
+        return math.prod(len(axis_pieces(o, n)) for o, n in zip(self.input_chunks, self.new_chunks))
 
     @cached_property
     def n_tasks(self) -> int:
         """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
-        one unpack per output; one task per output chunk elsewhere."""
+        one unpack per output; one task per output chunk elsewhere, plus one per group of
+        input chunks those read when chunks are joined."""
         shuffled = [p for p in self.partials if p.needs_shuffle]
-        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled)
+        joined = 0
+        if self.groups is not None:
+            joined = sum(p.n_inputs for p in self.partials if not p.needs_shuffle)
+        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled) + joined
 
     @property
     def itemsize(self) -> int:
@@ -269,6 +298,7 @@ class RechunkPlan:
                 "chunk count",
                 f"{self.n_input_chunks} -> {self.n_output_chunks} ({self.n_shards} pieces)",
             ),
+            *self._group_rows(),
             ("partials", f"{self.n_partials} ({self.n_shuffles} shuffled)"),
             ("tasks", f"{self.n_tasks}"),
             (
@@ -282,6 +312,18 @@ class RechunkPlan:
                 f"input chunk {format_bytes(self.largest_input_chunk_bytes)}, "
                 f"output chunk {format_bytes(self.largest_output_chunk_bytes)}",
             ),
+        ]
+
+    def _group_rows(self) -> list[tuple[str, str]]:
+        if self.groups is None:
+            return []
+        most = math.prod(max(g) for g in self.groups)
+        return [
+            (
+                "joined",
+                f"{self.n_transfers} groups of up to {most} input chunks, each made and cut "
+                "by one task",
+            )
         ]
 
     def __repr__(self) -> str:

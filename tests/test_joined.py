@@ -1,0 +1,98 @@
+"""Rechunks whose transfer tasks make and join several input chunks (gen_cluster)."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from rechunk_p2p.spec import JOINED_PREFIX, PLUGIN_NAME
+from tests.conftest import assert_clean
+from tests.engine_helpers import TWO, check_rechunk
+
+
+def _steps(nt: int = 256) -> da.Array:
+    """Maps, one time step per chunk, each step's values telling where they belong."""
+    return da.map_blocks(
+        lambda block_info=None: np.arange(
+            block_info[None]["array-location"][0][0] * 96,
+            block_info[None]["array-location"][0][1] * 96,
+            dtype="f4",
+        ).reshape(-1, 8, 12),
+        chunks=((1,) * nt, (8,), (12,)),
+        dtype="f4",
+    )
+
+
+def _transfer_keys(graph) -> list:
+    return [k for k in graph if isinstance(k, tuple) and "rechunk_p2p-transfer" in k[0]]
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"rechunk-p2p.transfer-group-bytes": "1536B"})
+async def test_maps_to_time_series_with_joined_steps(c, s, a, b, storage):
+    await rechunk_p2p.register(c)
+    x = _steps()
+    expected = np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
+    plan = rechunk_p2p.plan(x, (256, 4, 4), n_workers=2)
+    assert plan.groups == ((4,) * 64, (1,), (1,))  # 384 B steps, 1.5 KiB a group
+    y = await check_rechunk(c, s, x, expected, (256, 4, 4))
+    assert len(_transfer_keys(dict(y.__dask_graph__()))) == plan.n_transfers == 64
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_the_input_computed_beside_its_joined_rechunk(c, s, a, b):
+    await rechunk_p2p.register(c)
+    x = _steps()
+    y = rechunk_p2p.rechunk(x, (256, 2, 3))
+    assert rechunk_p2p.plan(x, (256, 2, 3)).groups is not None
+    total, result, again = await c.gather(c.compute([x.sum(), y, x]))
+    expected = np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
+    np.testing.assert_array_equal(result, expected)
+    np.testing.assert_array_equal(again, expected)
+    assert total == expected.sum()
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_part_of_a_joined_rechunk(c, s, a, b):
+    await rechunk_p2p.register(c)
+    x = _steps()
+    y = rechunk_p2p.rechunk(x, (256, 4, 4))
+    assert rechunk_p2p.plan(x, (256, 4, 4)).groups is not None
+    expected = np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
+    np.testing.assert_array_equal(await c.compute(y[:, :4, 4:]), expected[:, :4, 4:])
+    np.testing.assert_array_equal(await c.compute(y[5:9, 1:7]), expected[5:9, 1:7])
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"rechunk-p2p.transfer-group-bytes": "1KiB"})
+async def test_a_partial_without_a_shuffle_reads_joined_groups(c, s, a, b):
+    """One output chunk of 256 steps: a concatenation, of joined groups made by tasks of
+    their own (no shuffle, no run)."""
+    await rechunk_p2p.register(c)
+    x = _steps()
+    plan = rechunk_p2p.plan(x, (256, 8, 12), n_workers=2)
+    assert plan.groups is not None and plan.n_shuffles == 0
+    y = await check_rechunk(c, s, x, np.arange(256 * 96, dtype="f4").reshape(256, 8, 12), -1)
+    joined = [k for k in dict(y.__dask_graph__()) if str(k[0]).startswith(JOINED_PREFIX)]
+    assert len(joined) == plan.n_transfers > 1
+    assert not s.plugins[PLUGIN_NAME].active
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"rechunk-p2p.transfer-group-bytes": 0})
+async def test_joining_off_makes_one_transfer_per_chunk(c, s, a, b):
+    await rechunk_p2p.register(c)
+    x = _steps()
+    assert rechunk_p2p.plan(x, (256, 4, 4), n_workers=2).groups is None
+    y = rechunk_p2p.rechunk(x, (256, 4, 4))
+    assert len(_transfer_keys(dict(y.__dask_graph__()))) == 256
+    np.testing.assert_array_equal(
+        await c.compute(y), np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
+    )
+    with dask.config.set({"rechunk-p2p.transfer-group-bytes": "1MiB"}):
+        assert rechunk_p2p.plan(x, (256, 4, 4), n_workers=2).groups is not None
+    await assert_clean(s, a, b)

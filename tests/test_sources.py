@@ -1,0 +1,107 @@
+"""Which arrays' chunks transfer tasks may make themselves (rechunk_p2p.sources)."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+import zarr
+
+import rechunk_p2p
+from rechunk_p2p.sources import MAX_SHARED_KEYS, find_sources
+
+
+def _generated() -> da.Array:
+    return da.map_blocks(
+        lambda block_info=None: np.full((2, 10), block_info[None]["chunk-location"][0]),
+        chunks=((2,) * 5, (10,)),
+        dtype=int,
+    )
+
+
+def _zarr_array(tmp_path) -> zarr.Array:
+    z = zarr.open_array(tmp_path / "a.zarr", mode="w", shape=(20, 10), chunks=(2, 10), dtype="f4")
+    z[:] = np.arange(200, dtype="f4").reshape(20, 10)
+    return z
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda tmp: _generated(), id="map_blocks"),
+        pytest.param(lambda tmp: da.ones((20, 10), chunks=(2, 10)), id="ones"),
+        pytest.param(
+            lambda tmp: da.random.default_rng(0).random((20, 10), chunks=(2, 10)), id="random"
+        ),
+        pytest.param(lambda tmp: da.arange(200, chunks=20), id="arange"),
+        pytest.param(lambda tmp: da.from_zarr(_zarr_array(tmp)), id="from_zarr"),
+        pytest.param(
+            lambda tmp: (da.from_zarr(_zarr_array(tmp)) * 2 + 1).astype("f8"),
+            id="from_zarr-then-elementwise",
+        ),
+    ],
+)
+def test_chunks_made_from_nothing_or_a_store_are_found(make, tmp_path):
+    x = make(tmp_path)
+    sources = find_sources(x)
+    assert sources is not None
+    keys = list(dask.core.flatten(x.__dask_keys__()))
+    for key in keys:
+        task = sources.task(key)
+        # each task reads only the shared values (a zarr store's array, or nothing)
+        assert task.dependencies <= {k for layer in sources.shared.values() for k in layer}
+    assert sum(len(layer) for layer in sources.shared.values()) <= MAX_SHARED_KEYS
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: da.from_array(np.ones((20, 10)), chunks=(2, 10)), id="held-data"),
+        pytest.param(
+            lambda: da.ones((20, 10), chunks=(2, 10)).persist(scheduler="sync"), id="persisted"
+        ),
+        pytest.param(
+            lambda: da.ones((20, 10), chunks=(2, 10)) + da.ones((20, 10), chunks=(2, 10)).sum(),
+            id="reads-other-chunks",
+        ),
+        pytest.param(
+            lambda: da.ones((20, 10), chunks=(2, 10))[::-1] + 1,
+            id="reads-chunks-of-a-slice",
+        ),
+        pytest.param(
+            lambda: rechunk_p2p.rechunk(da.ones((20, 10), chunks=(2, 10)), (20, 1)),
+            id="another-rechunk",
+        ),
+    ],
+)
+def test_held_or_derived_chunks_are_not_made_by_transfers(make):
+    assert find_sources(make()) is None
+
+
+def test_annotated_inputs_keep_their_own_tasks():
+    with dask.annotate(retries=3):
+        x = da.ones((20, 10), chunks=(2, 10)) + 1
+    assert find_sources(x) is None
+
+
+def test_a_plan_joins_only_inputs_made_in_the_transfers():
+    made = da.ones((256, 16), chunks=(1, 16))
+    held = made.persist(scheduler="sync")
+    assert rechunk_p2p.plan(made, (256, 4), n_workers=2).groups is not None
+    assert rechunk_p2p.plan(held, (256, 4), n_workers=2).groups is None
+    with dask.config.set({"rechunk-p2p.transfer-group-bytes": 0}):
+        assert rechunk_p2p.plan(made, (256, 4), n_workers=2).groups is None
+    # fewer chunks than the fewest transfers a rechunk keeps: nothing to join
+    assert rechunk_p2p.plan(made[:40], (40, 4), n_workers=2).groups is None
+
+
+def test_a_joined_rechunk_reads_no_chunk_of_its_input():
+    x = da.ones((256, 16), chunks=(1, 16)) * 3
+    y = rechunk_p2p.rechunk(x, (256, 4))
+    graph = dict(y.__dask_graph__())
+    assert not any(isinstance(k, tuple) and k[0] == x.name for k in graph)
+    plan = rechunk_p2p.plan(x, (256, 4), n_workers=2)
+    transfers = [k for k in graph if isinstance(k, tuple) and "rechunk_p2p-transfer" in k[0]]
+    assert len(transfers) == plan.n_transfers < plan.n_input_chunks
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), np.full((256, 16), 3.0))
