@@ -30,6 +30,8 @@ DTYPE = "float64"
 PHASES = ("transfer", "barrier", "unpack", "bystander")
 #: Bound on one rechunk with one kill: the run restarts at most a few times.
 TIMEOUT = 120
+#: Input chunks of this many rows are joined, three to a transfer task (240 chunks, 80 tasks)
+JOINED_ROWS = 5
 
 
 def _slow_fill(shape, dtype, block_info=None):
@@ -64,8 +66,8 @@ def _cluster():
         yield client
 
 
-def _source(seed: int) -> da.Array:
-    chunks = da.core.normalize_chunks((20, SHAPE[1]), SHAPE)
+def _source(seed: int, rows: int = 20) -> da.Array:
+    chunks = da.core.normalize_chunks((rows, SHAPE[1]), SHAPE)
     return da.map_blocks(
         _slow_fill, SHAPE, DTYPE, dtype=DTYPE, chunks=chunks, name=f"source-{seed}"
     )
@@ -141,14 +143,17 @@ def _stretch_unpacks() -> None:
     RechunkWorkerPlugin.unpack_blocking = slow_unpack
 
 
-def _kill_during(client, phase: str, seed: int) -> dict:
-    """Kill a worker in ``phase`` of a rechunk; the scheduler plugin's counters after it."""
+def _kill_during(client, phase: str, seed: int, rows: int = 20) -> dict:
+    """Kill a worker in ``phase`` of a rechunk of inputs of ``rows`` rows (20: one transfer
+    each; 5: three joined in each transfer); the scheduler plugin's counters after it."""
     if phase == "unpack":
         client.run(_stretch_unpacks)
     pids = _pids(client)  # before: a round trip less between seeing the phase and the kill
-    x = _source(seed)
+    x = _source(seed, rows)
     # bystander: fewer output chunks than workers, so one worker owns none
     target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
+    joined = rechunk_p2p.plan(x, target, n_workers=3).groups
+    assert (joined is not None) == (rows == JOINED_ROWS), joined
     y = rechunk_p2p.rechunk(x, target)
     if phase == "unpack":
         y = y.map_blocks(_slow_check_input, meta=np.empty((0, 0), DTYPE))
@@ -177,17 +182,19 @@ def _workload_like():
     return Workload("kill", "kill test", SHAPE, DTYPE, (20, SHAPE[1]), (SHAPE[0], 50))
 
 
+@pytest.mark.parametrize("rows", [20, JOINED_ROWS], ids=["one-chunk-transfers", "joined"])
 @pytest.mark.parametrize("phase", PHASES)
-def test_worker_killed_once(phase):
+def test_worker_killed_once(phase, rows):
     with _cluster() as client:
-        _check_counters(phase, _kill_during(client, phase, seed=0))
+        _check_counters(phase, _kill_during(client, phase, seed=0, rows=rows))
         assert_clean_sync(client, timeout=30)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rows", [20, JOINED_ROWS], ids=["one-chunk-transfers", "joined"])
 @pytest.mark.parametrize("phase", PHASES)
-def test_worker_killed_ten_times(phase):
+def test_worker_killed_ten_times(phase, rows):
     for seed in range(10):
         with _cluster() as client:
-            _check_counters(phase, _kill_during(client, phase, seed=seed + 1))
+            _check_counters(phase, _kill_during(client, phase, seed=seed + 1, rows=rows))
             assert_clean_sync(client, timeout=30)
