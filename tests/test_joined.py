@@ -26,6 +26,16 @@ def _steps(nt: int = 256) -> da.Array:
     )
 
 
+def _expected(nt: int = 256) -> np.ndarray:
+    return np.arange(nt * 96, dtype="f4").reshape(nt, 8, 12)
+
+
+def _joined_rechunk(x: da.Array, chunks: tuple) -> da.Array:
+    """``x`` rechunked, by a plan that joins its chunks."""
+    assert rechunk_p2p.plan(x, chunks, n_workers=2).groups is not None
+    return rechunk_p2p.rechunk(x, chunks)
+
+
 def _transfer_keys(graph) -> list:
     return [k for k in graph if isinstance(k, tuple) and "rechunk_p2p-transfer" in k[0]]
 
@@ -34,7 +44,7 @@ def _transfer_keys(graph) -> list:
 async def test_maps_to_time_series_with_joined_steps(c, s, a, b, storage):
     await rechunk_p2p.register(c)
     x = _steps()
-    expected = np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
+    expected = _expected()
     plan = rechunk_p2p.plan(x, (256, 4, 4), n_workers=2)
     assert plan.groups == ((4,) * 64, (1,), (1,))  # 384 B steps, 1.5 KiB a group
     y = await check_rechunk(c, s, x, expected, (256, 4, 4))
@@ -46,10 +56,9 @@ async def test_maps_to_time_series_with_joined_steps(c, s, a, b, storage):
 async def test_the_input_computed_beside_its_joined_rechunk(c, s, a, b):
     await rechunk_p2p.register(c)
     x = _steps()
-    y = rechunk_p2p.rechunk(x, (256, 2, 3))
-    assert rechunk_p2p.plan(x, (256, 2, 3)).groups is not None
+    y = _joined_rechunk(x, (256, 2, 3))
     total, result, again = await c.gather(c.compute([x.sum(), y, x]))
-    expected = np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
+    expected = _expected()
     np.testing.assert_array_equal(result, expected)
     np.testing.assert_array_equal(again, expected)
     assert total == expected.sum()
@@ -59,10 +68,8 @@ async def test_the_input_computed_beside_its_joined_rechunk(c, s, a, b):
 @gen_cluster(client=True, nthreads=TWO)
 async def test_part_of_a_joined_rechunk(c, s, a, b):
     await rechunk_p2p.register(c)
-    x = _steps()
-    y = rechunk_p2p.rechunk(x, (256, 4, 4))
-    assert rechunk_p2p.plan(x, (256, 4, 4)).groups is not None
-    expected = np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
+    y = _joined_rechunk(_steps(), (256, 4, 4))
+    expected = _expected()
     np.testing.assert_array_equal(await c.compute(y[:, :4, 4:]), expected[:, :4, 4:])
     np.testing.assert_array_equal(await c.compute(y[5:9, 1:7]), expected[5:9, 1:7])
     await assert_clean(s, a, b)
@@ -76,7 +83,7 @@ async def test_a_partial_without_a_shuffle_reads_joined_groups(c, s, a, b):
     x = _steps()
     plan = rechunk_p2p.plan(x, (256, 8, 12), n_workers=2)
     assert plan.groups is not None and plan.n_shuffles == 0
-    y = await check_rechunk(c, s, x, np.arange(256 * 96, dtype="f4").reshape(256, 8, 12), -1)
+    y = await check_rechunk(c, s, x, _expected(), -1)
     joined = [k for k in dict(y.__dask_graph__()) if str(k[0]).startswith(JOINED_PREFIX)]
     assert len(joined) == plan.n_transfers > 1
     assert not s.plugins[PLUGIN_NAME].active
@@ -90,9 +97,7 @@ async def test_joining_off_makes_one_transfer_per_chunk(c, s, a, b):
     assert rechunk_p2p.plan(x, (256, 4, 4), n_workers=2).groups is None
     y = rechunk_p2p.rechunk(x, (256, 4, 4))
     assert len(_transfer_keys(dict(y.__dask_graph__()))) == 256
-    np.testing.assert_array_equal(
-        await c.compute(y), np.arange(256 * 96, dtype="f4").reshape(256, 8, 12)
-    )
+    np.testing.assert_array_equal(await c.compute(y), _expected())
     with dask.config.set({"rechunk-p2p.transfer-group-bytes": "1MiB"}):
         assert rechunk_p2p.plan(x, (256, 4, 4), n_workers=2).groups is not None
     await assert_clean(s, a, b)
