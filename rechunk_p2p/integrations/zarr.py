@@ -25,6 +25,7 @@ import distributed
 import zarr
 from dask.utils import format_bytes, format_time, parse_bytes
 
+from rechunk_p2p import config
 from rechunk_p2p.arrays import plan_array, rechunk_array
 from rechunk_p2p.cluster import cluster_statistics
 from rechunk_p2p.errors import ClusterError, RechunkInputError
@@ -186,8 +187,9 @@ def rechunk_zarr(
         Memory budget per worker, as rechunker's ``max_mem`` (``"2GB"``): shards wait in
         memory only if a worker's share of them fits in it (else on local disk), and a
         worker holds at most half of it in shards queued for sending
-        (``rechunk-p2p.comm.run-buffer-bytes``). Default: decide by the workers' memory
-        limits (``rechunk-p2p.storage: auto``).
+        (``rechunk-p2p.comm.run-buffer-bytes``), and a transfer task joins input chunks of at
+        most an eighth of it (``rechunk-p2p.transfer-group-bytes``). Default: decide by the
+        workers' memory limits (``rechunk-p2p.storage: auto``).
     storage_options : dict, optional
         fsspec options for a source or target given as a URL (``s3://bucket/data.zarr``,
         ``gs://...``): credentials, ``endpoint_url`` via ``client_kwargs`` and so on.
@@ -424,10 +426,16 @@ def _storage_within(max_mem: int | None, plans: Mapping[str, Any], client: Any) 
 
 
 def _budget_settings(max_mem: int | None) -> dict[str, Any]:
-    """The engine settings of a ``max_mem`` budget: half of it for shards queued to send."""
+    """The engine settings of a ``max_mem`` budget: half of it for shards queued to send,
+    and at most an eighth of it for the input chunks a transfer task joins (it holds about
+    three times that while it joins and cuts them)."""
     if max_mem is None:
         return {}
-    return {"rechunk-p2p.comm.run-buffer-bytes": max(max_mem // 2, 1)}
+    joined = min(config.get_bytes("transfer-group-bytes"), max_mem // 8)
+    return {
+        "rechunk-p2p.comm.run-buffer-bytes": max(max_mem // 2, 1),
+        "rechunk-p2p.transfer-group-bytes": joined,
+    }
 
 
 def store_arrays(

@@ -29,3 +29,29 @@ def test_a_zarr_input_is_read_inside_the_transfers(p2p_client, tmp_path):
     )
     assert after - runs == plan.n_shuffles == 1
     assert_clean_sync(p2p_client)
+
+
+def test_rechunk_zarr_joins_within_its_memory_budget(p2p_client, tmp_path):
+    """Without a budget the store's chunks are read several to a transfer; ``max_mem``
+    bounds what a transfer joins to an eighth of it (here: less than two chunks, so none)."""
+    from rechunk_p2p.integrations.zarr import rechunk_zarr
+
+    group = zarr.open_group(tmp_path / "src.zarr", mode="w", zarr_format=3)
+    values = np.random.default_rng(1).random((256, 6, 10))
+    arr = group.create_array(
+        "v", shape=values.shape, chunks=(1, 6, 10), dtype="f8", dimension_names=("t", "y", "x")
+    )
+    arr[...] = values
+    chunks = {"t": -1, "y": 3}
+    free = rechunk_zarr(tmp_path / "src.zarr", tmp_path / "a.zarr", chunks, compute=False)
+    assert free.plan["v"].groups is not None
+    tight = rechunk_zarr(
+        tmp_path / "src.zarr", tmp_path / "b.zarr", chunks, compute=False, max_mem="4KiB"
+    )
+    assert tight.plan["v"].groups is None  # 512 B a transfer: one 480 B chunk
+    for lazy, name in ((free, "a.zarr"), (tight, "b.zarr")):
+        lazy.execute()
+        out = zarr.open_group(tmp_path / name, mode="r")["v"]
+        assert out.chunks == (256, 3, 10)
+        np.testing.assert_array_equal(out[...], values)
+    assert_clean_sync(p2p_client)
