@@ -76,8 +76,11 @@ def find_sources(x: da.Array) -> InputSources | None:
 
 
 def _small_roots(graph: HighLevelGraph, layers: Mapping[str, Layer]) -> bool:
-    """Whether ``layers`` are a few values that depend on nothing."""
+    """Whether ``layers`` are a few values that depend on nothing (counted only for layers
+    that are already materialised, so that no other layer is built here)."""
     if any(graph.dependencies.get(name) for name in layers):
+        return False
+    if not all(isinstance(layer, MaterializedLayer) for layer in layers.values()):
         return False
     return sum(len(layer) for layer in layers.values()) <= MAX_SHARED_KEYS
 
