@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import dask
 import dask.array as da
 import numpy as np
 from distributed.utils_test import gen_cluster
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import rechunk_p2p
 from rechunk_p2p.spec import JOINED_PREFIX, PLUGIN_NAME
 from tests.conftest import assert_clean
 from tests.engine_helpers import TWO, check_rechunk
+from tests.planning.test_groups import coarsening
 
 
 def _steps(nt: int = 256) -> da.Array:
@@ -101,3 +106,40 @@ async def test_joining_off_makes_one_transfer_per_chunk(c, s, a, b):
     with dask.config.set({"rechunk-p2p.transfer-group-bytes": "1MiB"}):
         assert rechunk_p2p.plan(x, (256, 4, 4), n_workers=2).groups is not None
     await assert_clean(s, a, b)
+
+
+def _positions(shape: tuple[int, ...], chunks: tuple) -> da.Array:
+    """Generated chunks whose every element holds its flat position in the array."""
+
+    def fill(block_info=None):
+        location = block_info[None]["array-location"]
+        grids = np.meshgrid(*(np.arange(a, b) for a, b in location), indexing="ij")
+        return np.ravel_multi_index(grids, shape)
+
+    return da.map_blocks(fill, chunks=chunks, dtype=np.int64, meta=np.empty((0,) * len(shape)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(coarsening(), st.integers(2, 8), st.sampled_from(["memory", "disk"]), st.integers(1, 4))
+def test_joined_graphs_hold_what_the_plan_counts_and_the_right_values(case, times, storage, fewest):
+    """Any rechunk whose chunks are joined (the fewest transfers lowered to join small ones):
+    the graph holds as many tasks as the plan counts, and computed without distributed
+    (dask's synchronous scheduler) every element lands in its place."""
+    from unittest import mock
+
+    shape, old, new = case
+    assume(len(shape) > 0 and all(shape))
+    x = _positions(shape, old)
+    limit = math.prod(max(c) for c in old) * 8 * times
+    settings_ = {"rechunk-p2p.transfer-group-bytes": limit, "rechunk-p2p.storage": storage}
+    with (
+        mock.patch("rechunk_p2p.planning.groups.MIN_TRANSFERS", fewest),
+        dask.config.set(settings_),
+    ):
+        plan = rechunk_p2p.plan(x, new, n_workers=2)
+        assume(plan.groups is not None)
+        y = rechunk_p2p.rechunk(x, new)
+    layer = y.__dask_graph__().layers[y.name]
+    assert len(layer) == plan.n_tasks
+    result = y.compute(scheduler="sync")
+    np.testing.assert_array_equal(result, np.arange(math.prod(shape)).reshape(shape))

@@ -34,13 +34,14 @@ def transfer_groups(
     itemsize: int,
     limit_bytes: int,
     fixed_axes: tuple[int, ...] = (),
-    min_transfers: int = MIN_TRANSFERS,
+    min_transfers: int | None = None,
 ) -> Groups | None:
     """The groups of input chunks that each transfer task joins, up to ``limit_bytes``.
 
     ``None`` when no two chunks would be joined (a chunk is already larger than half the
     limit, no output chunk spans two input chunks along any axis but ``fixed_axes``, or the
-    groups would be fewer than ``min_transfers`` and than the chunks). Along an axis, the
+    groups would be fewer than ``min_transfers``, default :data:`MIN_TRANSFERS`, and than
+    the chunks). Along an axis, the
     chunks wholly inside one output chunk are split into two or more runs of nearly equal
     length; a chunk that crosses an output chunk boundary, or has no elements, stays alone.
 
@@ -61,6 +62,8 @@ def transfer_groups(
             continue
         factors[axis] = max(1, min(longest[axis], limit_bytes // nbytes))
         nbytes *= factors[axis]
+    if min_transfers is None:
+        min_transfers = MIN_TRANSFERS
     fewest = min(min_transfers, math.prod(len(o) for o in old))
     while True:
         groups = tuple(_split(axis, f) for axis, f in zip(runs, factors))

@@ -88,8 +88,12 @@ class Partial:
         A partial with one input chunk (outputs are slices of it) or one output chunk
         (a concatenation of its inputs), or with no elements, is built by plain tasks.
         """
-        n_nonempty_inputs = math.prod(sum(1 for c in axis if c) for axis in self.old_chunks)
-        return self.size > 0 and n_nonempty_inputs > 1 and self.n_outputs > 1
+        return self.size > 0 and self.n_nonempty_inputs > 1 and self.n_outputs > 1
+
+    @property
+    def n_nonempty_inputs(self) -> int:
+        """Input chunks with elements."""
+        return math.prod(sum(1 for c in axis if c) for axis in self.old_chunks)
 
     def input_keys(self) -> Iterator[NDIndex]:
         """Global chunk indices of the partial's inputs, in flat order."""

@@ -227,11 +227,11 @@ class RechunkPlan:
     def n_tasks(self) -> int:
         """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
         one unpack per output; one task per output chunk elsewhere, plus one per group of
-        input chunks those read when chunks are joined."""
+        input chunks with elements those read when chunks are joined."""
         shuffled = [p for p in self.partials if p.needs_shuffle]
         joined = 0
         if self.groups is not None:
-            joined = sum(p.n_inputs for p in self.partials if not p.needs_shuffle)
+            joined = sum(p.n_nonempty_inputs for p in self.partials if not p.needs_shuffle)
         return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled) + joined
 
     @property
