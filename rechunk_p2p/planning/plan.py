@@ -317,7 +317,7 @@ class RechunkPlan:
     def _group_rows(self) -> list[tuple[str, str]]:
         if self.groups is None:
             return []
-        most = math.prod(max(g) for g in self.groups)
+        most = math.prod(max(g, default=1) for g in self.groups)
         return [
             (
                 "joined",
