@@ -41,9 +41,10 @@ def transfer_groups(
     ``None`` when no two chunks would be joined (a chunk is already larger than half the
     limit, no output chunk spans two input chunks along any axis but ``fixed_axes``, or the
     groups would be fewer than ``min_transfers``, default :data:`MIN_TRANSFERS`, and than
-    the chunks). Along an axis, the
-    chunks wholly inside one output chunk are split into two or more runs of nearly equal
-    length; a chunk that crosses an output chunk boundary, or has no elements, stays alone.
+    the chunks). Along an axis, the chunks wholly inside one output chunk are split into two
+    or more runs of nearly equal length; a chunk that crosses an output chunk boundary, or
+    has no elements, stays alone. Where too few groups are left, the factor of the axis
+    joined last is halved until enough are.
 
     >>> transfer_groups(((1,) * 8, (4,)), ((8,), (2, 2)), 4, 64, min_transfers=2)
     ((4, 4), (1,))
