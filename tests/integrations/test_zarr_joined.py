@@ -55,3 +55,36 @@ def test_rechunk_zarr_joins_within_its_memory_budget(p2p_client, tmp_path):
         assert out.chunks == (256, 3, 10)
         np.testing.assert_array_equal(out[...], values)
     assert_clean_sync(p2p_client)
+
+
+def test_xarray_open_zarr_chunk_joins_through_the_installed_engine(p2p_client, tmp_path):
+    """xarray's own workflow (open_zarr, Dataset.chunk, to_zarr) with dask's rechunk routed to
+    the engine: the store's time steps are read several to a transfer task."""
+    import dask
+    import xarray as xr
+
+    values = np.random.default_rng(2).random((256, 6, 10)).astype("f4")
+    ds = xr.Dataset({"v": (("time", "y", "x"), values)}, coords={"time": np.arange(256)})
+    ds.chunk({"time": 1}).to_zarr(tmp_path / "maps.zarr", zarr_format=3, consolidated=False)
+    before = p2p_client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["rechunk-p2p"].runs_created
+    )
+    with rechunk_p2p.installed(), dask.config.set({"array.rechunk.method": "p2p"}):
+        opened = xr.open_zarr(tmp_path / "maps.zarr", consolidated=False)
+        assert rechunk_p2p.plan(opened["v"].data, (256, 3, 5), n_workers=2).groups is not None
+        rechunked = opened.chunk({"time": -1, "y": 3, "x": 5})
+        graph = dict(rechunked["v"].data.__dask_graph__())
+        transfers = [k for k in graph if "rechunk_p2p-transfer" in str(k)]
+        assert 0 < len(transfers) < 256
+        for var in rechunked.variables.values():
+            var.encoding.pop("chunks", None)
+            var.encoding.pop("preferred_chunks", None)
+        rechunked.to_zarr(tmp_path / "series.zarr", zarr_format=3, consolidated=False)
+    after = p2p_client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["rechunk-p2p"].runs_created
+    )
+    assert after > before
+    out = xr.open_zarr(tmp_path / "series.zarr", consolidated=False)
+    assert out["v"].encoding["chunks"] == (256, 3, 5)
+    np.testing.assert_array_equal(out["v"].values, values)
+    assert_clean_sync(p2p_client)
