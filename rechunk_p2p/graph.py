@@ -303,12 +303,12 @@ class RechunkLayer(Layer):
 
     def _joined(self, index: tuple[int, ...]) -> GraphNode:
         """A node, to run inside a transfer task, that makes the input chunks of group
-        ``index`` and joins them into one block."""
+        ``index`` and hands them to the cut as one block (unjoined: the cut places each)."""
         grid, made = self._made(index)
         if len(made) == 1:
             return made[0]
         producer = any(t.data_producer for t in made)
-        return Task(None, tasks.join, grid, *made, _data_producer=producer)
+        return Task(None, tasks.made, grid, *made, _data_producer=producer)
 
     def _made(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], list[Task]]:
         """The grid of input chunks in group ``index`` and the tasks that make them, in C

@@ -11,15 +11,17 @@ Computed without distributed workers (dask's synchronous or threaded scheduler, 
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rechunk_p2p.local import LocalInput, LocalShuffle, assemble, gather_local
 from rechunk_p2p.spec import RunId, ShuffleId, ShuffleSpec
 
-__all__ = ["assemble", "barrier", "empty", "join", "transfer", "unpack"]
+if TYPE_CHECKING:
+    from rechunk_p2p.buffers.joined import JoinedBlocks
+
+__all__ = ["assemble", "barrier", "empty", "join", "made", "transfer", "unpack"]
 
 
 def _worker() -> Any:
@@ -38,7 +40,9 @@ def _plugin(worker: Any) -> Any:
     return plugin_for_task(worker)
 
 
-def transfer(data: np.ndarray, shuffle_id: ShuffleId, flat: int) -> RunId | LocalInput:
+def transfer(
+    data: np.ndarray | JoinedBlocks, shuffle_id: ShuffleId, flat: int
+) -> RunId | LocalInput:
     """Cut input chunk ``flat`` into shards and send each to the worker of its output chunk.
 
     Returns the run id, which the barrier checks for consistency (without distributed
@@ -46,7 +50,7 @@ def transfer(data: np.ndarray, shuffle_id: ShuffleId, flat: int) -> RunId | Loca
     """
     worker = _worker()
     if worker is None:
-        return LocalInput(flat, data)
+        return LocalInput(flat, np.asarray(data))
     return _plugin(worker).transfer_blocking(shuffle_id, flat, data)
 
 
@@ -79,20 +83,19 @@ def unpack(
 def join(grid: tuple[int, ...], *blocks: np.ndarray) -> np.ndarray:
     """Neighbouring input chunks, given in C order over ``grid``, as one block.
 
-    Run inside a transfer task (or, for a partial without a shuffle, a task of its own) that
-    made the chunks itself.
+    For a partial without a shuffle, in a task of its own that made the chunks itself.
     """
-    if len(blocks) == 1:
-        return blocks[0]
-    steps = [math.prod(grid[a + 1 :]) for a in range(len(grid))]
-    starts = [
-        np.cumsum([0] + [blocks[i * steps[a]].shape[a] for i in range(n)])
-        for a, n in enumerate(grid)
-    ]
-    out = np.empty(tuple(int(s[-1]) for s in starts), dtype=np.result_type(*blocks))
-    for block, index in zip(blocks, np.ndindex(*grid)):
-        out[tuple(slice(s[i], s[i + 1]) for s, i in zip(starts, index))] = block
-    return out
+    from rechunk_p2p.buffers.joined import join_blocks
+
+    return join_blocks(grid, blocks)
+
+
+def made(grid: tuple[int, ...], *blocks: np.ndarray) -> JoinedBlocks | np.ndarray:
+    """Neighbouring input chunks that a transfer task made, handed to its cut unjoined (the
+    cut copies each to its place; see :mod:`rechunk_p2p.buffers.joined`)."""
+    from rechunk_p2p.buffers.joined import JoinedBlocks
+
+    return blocks[0] if len(blocks) == 1 else JoinedBlocks(grid, blocks)
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

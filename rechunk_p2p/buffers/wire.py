@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rechunk_p2p.buffers.base import Shard
+from rechunk_p2p.buffers.joined import JoinedBlocks, copy_cut_blocking
 from rechunk_p2p.errors import RechunkInputError, RechunkRunError
 
 
@@ -90,7 +91,7 @@ def pack_blocking(shards: list[Shard], dtype: np.dtype) -> Packed:
 
 
 def cut_regular_blocking(
-    data: np.ndarray,
+    data: np.ndarray | JoinedBlocks,
     slices: list[list[slice]],
     dtype: np.dtype | None = None,
     out: np.ndarray | None = None,
@@ -101,7 +102,8 @@ def cut_regular_blocking(
     the pieces along every axis have one length, the shards are the blocks of a reshape:
     the result has shape ``(n_shards, *shard_shape)``, shards in C order of the pieces, each
     C-contiguous, made by one strided copy instead of one copy (and one Python call) each,
-    in ``dtype`` (default: ``data``'s; only a byte-order change is allowed).
+    in ``dtype`` (default: ``data``'s; only a byte-order change is allowed). Chunks a
+    transfer task made and did not join (:class:`JoinedBlocks`) are copied block by block.
 
     ``out``, a C-contiguous ``uint8`` buffer of at least ``data.nbytes`` bytes, receives the
     copy (the result is a view of it): a buffer used again for each input chunk costs no
@@ -126,7 +128,6 @@ def cut_regular_blocking(
     if [c * n for c, n in zip(counts, lengths)] != list(data.shape):
         return None
     ndim = data.ndim
-    split = data.reshape([v for pair in zip(counts, lengths) for v in pair])
     order = [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]
     shape = [counts[a] for a in range(ndim)] + lengths
     if out is None:
@@ -137,7 +138,9 @@ def cut_regular_blocking(
                 f"out must be a 1-d uint8 buffer of at least {data.nbytes} bytes"
             )
         blocks = out[: data.nbytes].view(dtype).reshape(shape)
-    np.copyto(blocks, split.transpose(order), casting="equiv")
+    if not (isinstance(data, JoinedBlocks) and copy_cut_blocking(data, blocks, counts, lengths)):
+        split = np.asarray(data).reshape([v for pair in zip(counts, lengths) for v in pair])
+        np.copyto(blocks, split.transpose(order), casting="equiv")
     return blocks.reshape(-1, *lengths)
 
 

@@ -427,8 +427,8 @@ def _storage_within(max_mem: int | None, plans: Mapping[str, Any], client: Any) 
 
 def _budget_settings(max_mem: int | None) -> dict[str, Any]:
     """The engine settings of a ``max_mem`` budget: half of it for shards queued to send,
-    and at most an eighth of it for the input chunks a transfer task joins (it holds about
-    three times that while it joins and cuts them)."""
+    and at most an eighth of it for the input chunks a transfer task joins (it holds two to
+    three times that while it cuts them)."""
     if max_mem is None:
         return {}
     joined = min(config.get_bytes("transfer-group-bytes"), max_mem // 8)

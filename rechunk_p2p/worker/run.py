@@ -23,6 +23,7 @@ from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
 from rechunk_p2p.buffers.base import Shard, ShardStore, empty_output, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.cuts import CutBuffers
+from rechunk_p2p.buffers.joined import JoinedBlocks
 from rechunk_p2p.buffers.split import SplitStore
 from rechunk_p2p.buffers.wire import (
     Packed,
@@ -231,7 +232,7 @@ class WorkerRun:
 
     # --- task threads -------------------------------------------------------------------------
 
-    def add_input_blocking(self, flat: int, data: np.ndarray) -> RunId:
+    def add_input_blocking(self, flat: int, data: np.ndarray | JoinedBlocks) -> RunId:
         """Cut input chunk ``flat`` into shards and hand them to their workers; the id of the
         run whose owners it cut for (the run may be continued meanwhile: the barrier then
         runs the transfer again).
@@ -243,7 +244,8 @@ class WorkerRun:
         run_spec = self.run_spec  # one spec for the whole cut
         spec = run_spec.spec
         partial = spec.partial
-        data = np.asarray(data)
+        if not isinstance(data, JoinedBlocks):  # (joined only where a cut needs it)
+            data = np.asarray(data)
         expected = partial.input_shape(flat)
         if data.ndim != len(expected) or any(
             n != e
@@ -277,7 +279,11 @@ class WorkerRun:
         return run_spec.run_id
 
     def _cut_blocking(
-        self, run_spec: RunSpec, flat: int, data: np.ndarray, scratch: np.ndarray | None = None
+        self,
+        run_spec: RunSpec,
+        flat: int,
+        data: np.ndarray | JoinedBlocks,
+        scratch: np.ndarray | None = None,
     ) -> tuple[Packed | list[Shard], dict[str, Packed]]:
         """The shards of input ``flat`` that stay here, and one batch per other worker.
 
@@ -299,6 +305,7 @@ class WorkerRun:
         me = self._position_in(run_spec)
         blocks = cut_regular_blocking(data, slices, spec.dtype, out=scratch)
         if blocks is None:
+            data = np.asarray(data)
             return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
         local: list[Shard] = []
         here: Packed | None = None
