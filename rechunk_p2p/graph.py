@@ -249,18 +249,11 @@ class RechunkLayer(Layer):
             index = partial.input_index(flat)
             key = (transfers_name, *index)
             if self.sources is None:
-                source = TaskRef((self.input_name, *index))
-                dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat)
+                source: TaskRef | GraphNode = TaskRef((self.input_name, *index))
             else:
-                made = self._joined(index)
-                dsk[key] = Task(
-                    key,
-                    tasks.transfer,
-                    made,
-                    shuffle_id,
-                    flat,
-                    _data_producer=made.data_producer,
-                )
+                source = self._joined(index)  # made inside the transfer
+            producer = isinstance(source, GraphNode) and source.data_producer
+            dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat, _data_producer=producer)
             transfers.append(TaskRef(key))
         bkey = barrier_key(shuffle_id)
         dsk[bkey] = BarrierTask(bkey, tasks.barrier, shuffle_id, *transfers, spec=spec)
@@ -296,23 +289,18 @@ class RechunkLayer(Layer):
             return TaskRef((self.input_name, *index))
         key = (JOINED_PREFIX + self.token, *index)
         if key not in dsk:
-            grid, made = self._made(index)
-            producer = any(t.data_producer for t in made)
-            dsk[key] = Task(key, tasks.join, grid, *made, _data_producer=producer)
+            dsk[key] = self._made(index, tasks.join, key)
         return TaskRef(key)
 
     def _joined(self, index: tuple[int, ...]) -> GraphNode:
         """A node, to run inside a transfer task, that makes the input chunks of group
         ``index`` and hands them to the cut as one block (unjoined: the cut places each)."""
-        grid, made = self._made(index)
-        if len(made) == 1:
-            return made[0]
-        producer = any(t.data_producer for t in made)
-        return Task(None, tasks.made, grid, *made, _data_producer=producer)
+        return self._made(index, tasks.made)
 
-    def _made(self, index: tuple[int, ...]) -> tuple[tuple[int, ...], list[Task]]:
-        """The grid of input chunks in group ``index`` and the tasks that make them, in C
-        order."""
+    def _made(self, index: tuple[int, ...], func: Any, key: Any = None) -> GraphNode:
+        """The task ``key`` that makes the input chunks of group ``index`` and calls ``func``
+        with the grid and the chunks in C order; a group of one chunk without a ``key`` is
+        that chunk's own task."""
         assert self.sources is not None and self.plan.groups is not None
         if self._members is None:
             self._members = [group_members(g) for g in self.plan.groups]
@@ -320,7 +308,11 @@ class RechunkLayer(Layer):
         made = [
             self.sources.task((self.input_name, *chunk)) for chunk in itertools.product(*members)
         ]
-        return tuple(len(m) for m in members), made
+        if len(made) == 1 and key is None:
+            return made[0]
+        grid = tuple(len(m) for m in members)
+        producer = any(t.data_producer for t in made)
+        return Task(key, func, grid, *made, _data_producer=producer)
 
 
 def build_rechunk(

@@ -90,12 +90,12 @@ def join(grid: tuple[int, ...], *blocks: np.ndarray) -> np.ndarray:
     return join_blocks(grid, blocks)
 
 
-def made(grid: tuple[int, ...], *blocks: np.ndarray) -> JoinedBlocks | np.ndarray:
+def made(grid: tuple[int, ...], *blocks: np.ndarray) -> JoinedBlocks:
     """Neighbouring input chunks that a transfer task made, handed to its cut unjoined (the
     cut copies each to its place; see :mod:`rechunk_p2p.buffers.joined`)."""
     from rechunk_p2p.buffers.joined import JoinedBlocks
 
-    return blocks[0] if len(blocks) == 1 else JoinedBlocks(grid, blocks)
+    return JoinedBlocks(grid, blocks)
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

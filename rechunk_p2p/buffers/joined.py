@@ -21,18 +21,12 @@ from rechunk_p2p.errors import RechunkInputError
 
 
 def join_blocks(grid: tuple[int, ...], blocks: tuple[np.ndarray, ...]) -> np.ndarray:
-    """``blocks``, given in C order over ``grid``, as one array.
+    """``blocks``, given in C order over ``grid``, as one array (a single block as it is).
 
     >>> join_blocks((2, 1), (np.zeros((1, 2)), np.ones((2, 2)))).tolist()
     [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
     """
-    if len(blocks) == 1:
-        return blocks[0]
-    joined = JoinedBlocks(grid, blocks)
-    out = np.empty(joined.shape, dtype=joined.dtype)
-    for block, start in joined.placed():
-        out[tuple(slice(s, s + n) for s, n in zip(start, block.shape))] = block
-    return out
+    return blocks[0] if len(blocks) == 1 else np.asarray(JoinedBlocks(grid, blocks))
 
 
 class JoinedBlocks:
@@ -77,8 +71,10 @@ class JoinedBlocks:
         ]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        joined = join_blocks(self.grid, self.blocks)
-        return joined if dtype is None else joined.astype(dtype, copy=False)
+        out = np.empty(self.shape, dtype=self.dtype if dtype is None else dtype)
+        for block, start in self.placed():
+            out[tuple(slice(s, s + n) for s, n in zip(start, block.shape))] = block
+        return out
 
 
 def copy_cut_blocking(
