@@ -8,7 +8,6 @@ store imports it, and this package picks a store by kind (:func:`make_store`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -18,6 +17,7 @@ from rechunk_p2p.buffers.disk import DiskShardStore
 from rechunk_p2p.buffers.memory import MemoryShardStore
 from rechunk_p2p.buffers.split import SplitStore
 from rechunk_p2p.errors import RechunkInputError
+from rechunk_p2p.planning import Partial
 
 __all__ = [
     "AssemblingMemoryStore",
@@ -39,8 +39,7 @@ def make_store(
     name: str,
     buffer_bytes: int = 0,
     direct_io: bool | None = None,
-    output_shape: Callable[[int], tuple[int, ...]] | None = None,
-    placement: Callable[[int], Mapping[int, tuple[slice, ...]]] | None = None,
+    partial: Partial | None = None,
     in_memory: np.ndarray | None = None,
 ) -> ShardStore | AssemblingMemoryStore | SplitStore:
     """Create an empty shard store.
@@ -67,9 +66,9 @@ def make_store(
     direct_io
         For ``"disk"``: whether the data file bypasses the page cache (``None``: decided by
         the store's first write; see :class:`DiskShardStore`). Ignored for ``"memory"``.
-    output_shape, placement
-        For ``"memory"``: each output chunk's shape and where each input's shard goes in it
-        (``{input: slices}``). Given (and the dtype not object), the store fills outputs as
+    partial
+        For ``"memory"``: the sub-shuffle, whose output shapes and places of each input's
+        shard are known. Given (and the dtype not object), the store fills outputs as
         shards arrive (:class:`AssemblingMemoryStore`); else it keeps the shards
         (:class:`MemoryShardStore`, for outputs whose shape is not known in advance).
         Required for ``"memory+disk"``.
@@ -87,19 +86,19 @@ def make_store(
     >>> store.close_blocking()
     """
     if kind == "memory":
-        if output_shape is not None and placement is not None and not dtype.hasobject:
-            return AssemblingMemoryStore(dtype, name, output_shape, placement)
+        if partial is not None and not dtype.hasobject:
+            return AssemblingMemoryStore(dtype, name, partial)
         return MemoryShardStore(dtype, name)
     if kind == "disk":
         return DiskShardStore(dtype, directory, name, buffer_bytes, direct_io)
     if kind == "memory+disk":
-        if output_shape is None or placement is None or in_memory is None or dtype.hasobject:
+        if partial is None or in_memory is None or dtype.hasobject:
             raise RechunkInputError(
-                f"Store {name!r}: 'memory+disk' needs output shapes, placements and the "
-                "outputs held in memory, and a dtype other than object"
+                f"Store {name!r}: 'memory+disk' needs the sub-shuffle and the outputs held "
+                "in memory, and a dtype other than object"
             )
         return SplitStore(
-            AssemblingMemoryStore(dtype, name, output_shape, placement),
+            AssemblingMemoryStore(dtype, name, partial),
             DiskShardStore(dtype, directory, name, buffer_bytes, direct_io),
             in_memory,
         )

@@ -2,77 +2,61 @@
 
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 
-The plain :class:`~rechunk_p2p.buffers.memory.MemoryShardStore` keeps the arrays it is given
-until the output's task reads them. Those arrays are views of the buffers they came in (a
-received batch's payload, an input chunk's cut), and such a buffer holds shards of many
-outputs, so it is freed only when the last of them was read: a worker held every shard it
-received until its last output was assembled, and then the outputs too (twice its share of
-the data at the peak), and assembled every output after the barrier, one copy per shard on
-the task thread. This store copies each shard into its output chunk when it is written
-(allocated at its first shard), so a batch's buffer is free as soon as the batch is
-stored, the worker holds its share of the data once, and reading an output after the
-barrier only hands over the array.
+Each shard is copied into its output chunk when it is written, so a batch's buffer is free
+as soon as the batch is stored, the worker holds its share of the data once, and reading an
+output after the barrier only hands the array over.
+
+Outputs are allocated in *slabs*: the outputs of one shape that a batch is the first to
+reach, in one array of shape ``(outputs, *output_shape)``, each output a C-contiguous view
+of it. A batch of a regular cut (one input's shards of one shape, as
+:func:`~rechunk_p2p.buffers.wire.pack_blocks` makes it) usually has the same place in each of
+its outputs (a row of every column strip, a time step of every time series), so its shards
+are placed with one strided copy per slab and place, whatever their number: a worker
+receiving thin held rows (thousands of shards of a few dozen bytes per input chunk) pays per
+batch, not per shard. Where shards are large, outputs get pages of their own instead
+(:func:`~rechunk_p2p.buffers.base.empty_output`, whose freed pages serve the next output)
+and each shard is one copy. Bookkeeping is numpy arrays indexed by output and a ledger of
+runs (:class:`~rechunk_p2p.buffers.ledger.ShardLedger`), never an object per shard.
 """
 
 from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from rechunk_p2p.buffers.base import (
-    SMALL_COPY_BYTES,
+    OWN_PAGES_BYTES,
     Shard,
-    ShardLedger,
     StoreStatistics,
     check_array,
     check_shard,
     closed_error,
     copy_into_blocking,
     empty_output,
-    pair_keys,
     touch_pages_blocking,
 )
+from rechunk_p2p.buffers.ledger import ShardLedger
 from rechunk_p2p.buffers.wire import Packed, unpack_blocking, unpack_blocks
 from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
+from rechunk_p2p.planning import Partial
 
-
-class _Output:
-    """**Guarded by the store's lock.** One output chunk being filled."""
-
-    __slots__ = (
-        "array",
-        "bytes",
-        "dims",
-        "output",
-        "placed",
-        "placement",
-        "shard_bytes",
-        "writing",
-    )
-
-    def __init__(
-        self, output: int, array: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
-    ) -> None:
-        self.output = output
-        self.array = array
-        self.bytes = memoryview(array.reshape(-1).view(np.uint8))  # C-contiguous, new
-        self.dims = tuple(zip(array.shape, array.strides))  # (length, stride) per axis
-        self.placement = placement
-        self.placed: set[int] = set()  # inputs whose shard was copied in
-        self.shard_bytes = 0
-        self.writing = 0  # copies into ``array`` in progress
+#: Outputs first reached by one batch share a slab when its shards are at most this large
+#: (or the outputs are below :data:`OWN_PAGES_BYTES`): below it, a Python step per shard
+#: costs more than its copy; above it, each output keeps pages of its own, which the next
+#: output of its size takes over when it is freed.
+SLAB_SHARD_BYTES = 2048
 
 
 class AssemblingMemoryStore:
     """**Thread-safe (guarded by `_lock`).** Copies each shard into its output chunk on write.
 
-    Shards of one output are copied outside the lock, from any number of threads (they fill
-    disjoint regions); :meth:`take_output_blocking` waits for copies into that output still
-    in progress. Not for object dtype, nor for axes of unknown chunk sizes (the output's
-    shape must be known before its first shard arrives).
+    Shards are copied outside the lock, from any number of threads (they fill disjoint
+    regions); :meth:`take_output_blocking` waits for copies into that output still in
+    progress. Not for object dtype, nor for axes of unknown chunk sizes (the output's shape
+    must be known before its first shard arrives).
 
     Parameters
     ----------
@@ -80,125 +64,88 @@ class AssemblingMemoryStore:
         The dtype of every shard and output.
     name
         Names the store in error messages.
-    output_shape
-        The shape of output chunk ``flat``.
-    placement
-        Where each input's shard goes in output ``flat``: ``{input: slices of the output}``.
+    partial
+        The sub-shuffle: output shapes and where each input's piece lies in each output.
     """
 
     kind = "memory"
 
-    def __init__(
-        self,
-        dtype: np.dtype,
-        name: str,
-        output_shape: Callable[[int], tuple[int, ...]],
-        placement: Callable[[int], Mapping[int, tuple[slice, ...]]],
-    ) -> None:
+    def __init__(self, dtype: np.dtype, name: str, partial: Partial) -> None:
         self.dtype = np.dtype(dtype)
         if self.dtype.hasobject:
             raise RechunkTypeError(f"{type(self).__name__} cannot hold object dtype")
         self.name = name
-        self._output_shape = output_shape
-        self._placement = placement
+        self._partial = partial
         self._lock = threading.Condition()
         self._closed = False
-        self._outputs: dict[int, _Output] = {}
-        self._held = 0  # bytes of output chunks allocated and not taken yet
+        n = partial.n_outputs
+        self._slab_of = np.full(n, -1, dtype=np.int64)  # -1: not allocated (or taken)
+        self._slot_of = np.zeros(n, dtype=np.int64)
+        self._writing = np.zeros(n, dtype=np.int32)  # copies into an output in progress
+        self._placed = np.zeros(n, dtype=np.int32)  # inputs whose shard was copied in
+        self._shard_bytes = np.zeros(n, dtype=np.int64)
+        # outputs handed over, and the inputs placed in those made again by late shards
+        self._taken = np.zeros(n, dtype=bool)
+        self._late: dict[int, set[int]] = {}
+        self._slabs: dict[int, np.ndarray] = {}  # id -> (outputs, *shape)
+        self._left: dict[int, int] = {}  # id -> outputs of the slab not taken yet
+        self._next_slab = 0
+        self._held = 0  # bytes of outputs allocated and not taken yet
         self._ledger = ShardLedger()
 
     def __repr__(self) -> str:
         return f"<AssemblingMemoryStore {self.name!r} dtype={self.dtype}>"
 
-    def write_blocking(self, shards: Iterable[Shard]) -> int:
-        """Copy shards into their outputs, dropping ``(output, input)`` pairs stored before;
-        return the bytes accepted.
-
-        Raises
-        ------
-        RechunkTypeError
-            A shard is not an array of the store's dtype (nothing is stored).
-        RechunkRunError
-            The store is closed, or a shard is not a piece of its output or has the wrong
-            shape (the shards before it in the batch are stored).
-        """
-        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
-        outputs = [output for output, _, _ in batch]
-        inputs = [input_ for _, input_, _ in batch]
-        keys = pair_keys(outputs, inputs)
-        todo = self._begin(outputs, keys)
-        done = 0
-        try:
-            for target, k in zip(*todo):
-                self._place_blocking(target, inputs[k], batch[k][2])
-                done += 1
-        finally:
-            accepted = self._end(todo, done, [a.nbytes for _, _, a in batch], keys, inputs)
-        return accepted
+    # -- writing -----------------------------------------------------------------------
 
     def write_blocks_blocking(
         self, outputs: Sequence[int] | np.ndarray, input_: int, blocks: np.ndarray
     ) -> int:
         """Copy shards ``blocks[i]`` of outputs ``outputs[i]``, all from input ``input_`` and
         of one shape, into their outputs, dropping pairs stored before; return the bytes
-        accepted.
-
-        The batch of a regular cut (this worker's own shards of an input, or a batch as it
-        came off the wire): one check of the array for all of them, and a small shard whose
-        place in its output is one contiguous run is copied as a memory move straight from
-        the batch's bytes, without an array object per shard (the 3-D workload stores
-        131,072 shards of 4 KiB per worker).
+        accepted. The whole batch is checked before anything is stored.
 
         Raises
         ------
         RechunkTypeError
-            ``blocks`` is not an array of the store's dtype (nothing is stored).
+            ``blocks`` is not an array of the store's dtype.
         RechunkRunError
-            As :meth:`write_blocking`, or ``blocks`` does not hold one shard per output.
+            The store is closed, ``blocks`` does not hold one shard per output, or a shard
+            is not input ``input_``'s piece of its output.
         """
         input_ = operator.index(input_)
         blocks = check_array(blocks, self.dtype, self.kind, self.name, f"input {input_}'s batch")
-        if isinstance(outputs, np.ndarray):
-            outputs = outputs.tolist()
-        else:
-            outputs = [operator.index(o) for o in outputs]
-        if blocks.ndim < 1 or len(blocks) != len(outputs):
+        outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
+        if blocks.ndim < 1 or len(blocks) != len(outs):
             raise RechunkRunError(
-                f"Store {self.name!r} got {len(outputs)} outputs and blocks of shape "
+                f"Store {self.name!r} got {len(outs)} outputs and blocks of shape "
                 f"{blocks.shape} from input {input_}: one block per output expected"
             )
-        blocks = np.ascontiguousarray(blocks)
-        shape = blocks.shape[1:]
-        nbytes = blocks[0].nbytes if len(blocks) else 0
-        keys = pair_keys(outputs, input_)
-        todo = self._begin(outputs, keys)
-        source = None
-        if 0 < nbytes <= SMALL_COPY_BYTES:
-            source = memoryview(blocks.reshape(-1).view(np.uint8))
-        done = 0
-        # the place of one input's shard is often the same in each output (maps to time
-        # series: one step of each; row blocks to column blocks: one band of rows), so the
-        # start found for one output serves the next when place and layout are equal
-        last: tuple[object, object, int | None] = (None, None, None)
-        try:
-            for target, k in zip(*todo):
-                start = None
-                if source is not None:
-                    where = target.placement.get(input_)
-                    if where is not None and where == last[0] and target.dims == last[1]:
-                        start = last[2]
-                    else:
-                        start = _run_start(where, target.dims, shape)
-                        last = (where, target.dims, start)
-                if start is None:
-                    self._place_blocking(target, input_, blocks[k])
-                else:  # a memory move with the GIL held (see place_blocking)
-                    target.bytes[start : start + nbytes] = source[k * nbytes : (k + 1) * nbytes]
-                done += 1
-        finally:
-            n = len(outputs)
-            accepted = self._end(todo, done, [nbytes] * n, keys, [input_] * n)
-        return accepted
+        if not len(outs):
+            return 0
+        self._check_outputs(outs, input_)
+        starts, lengths = self._partial.places(input_, outs)
+        self._check_places(outs, input_, lengths, blocks.shape[1:])
+        return self._write_checked_blocking(input_, outs, starts, blocks)
+
+    def write_blocking(self, shards: Iterable[Shard]) -> int:
+        """Copy shards (of any inputs and shapes) into their outputs, dropping pairs stored
+        before; return the bytes accepted. Raises as :meth:`write_blocks_blocking`."""
+        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        by_input: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for k, (_, input_, array) in enumerate(batch):
+            by_input.setdefault((input_, array.shape), []).append(k)
+        checked = []
+        for (input_, shape), rows in by_input.items():
+            outs = np.array([batch[k][0] for k in rows], dtype=np.int64)
+            self._check_outputs(outs, input_)
+            starts, lengths = self._partial.places(input_, outs)
+            self._check_places(outs, input_, lengths, shape)
+            blocks = np.empty((len(rows), *shape), dtype=self.dtype)
+            for i, k in enumerate(rows):
+                blocks[i] = batch[k][2]
+            checked.append((input_, outs, starts, blocks))
+        return sum(self._write_checked_blocking(*args) for args in checked)
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
         """Copy the shards of batches as they came off the wire into their outputs (the
@@ -212,80 +159,155 @@ class AssemblingMemoryStore:
                 accepted += self.write_blocks_blocking(packed.outputs, *regular)
         return accepted
 
-    def _begin(self, outputs: list[int], keys: list[int]) -> tuple[list[_Output], list[int]]:
-        """Admit the pairs of ``keys`` (:func:`pair_keys`; pair ``k`` is of output
-        ``outputs[k]``), allocating outputs at their first shard: for the new pairs, their
-        outputs and their indices ``k``, each counted as a copy in progress into its output
-        until :meth:`_end`. (Two lists, not a tuple per pair: the collector tracks tuples.)"""
-        targets: list[_Output] = []
-        chosen: list[int] = []
+    def _write_checked_blocking(
+        self, input_: int, outs: np.ndarray, starts: np.ndarray, blocks: np.ndarray
+    ) -> int:
+        """Admit, allocate, copy and account one checked batch of one input and shape."""
+        each = blocks[0].nbytes
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write shards")
-            fresh = self._ledger.admit_keys(keys)
-            known = self._outputs
-            for k, output in enumerate(outputs):
-                if fresh is not None and not fresh[k]:
-                    continue
-                target = known.get(output)
-                if target is None:
-                    target = self._new_output(output)
-                target.writing += 1
-                targets.append(target)
-                chosen.append(k)
-        return targets, chosen
+            fresh = self._ledger.admit_batch(input_, outs)
+            if fresh is not None:
+                outs, starts, blocks = outs[fresh], starts[fresh], blocks[fresh]
+                if not len(outs):
+                    return 0
+            self._allocate_locked(outs, each)
+            for output in outs[self._taken[outs]].tolist():  # (late shards: rare)
+                self._late.setdefault(output, set()).add(input_)
+            slabs, slots = self._slab_of[outs], self._slot_of[outs]
+            arrays = {s: self._slabs[s] for s in np.unique(slabs).tolist()}
+            self._writing[outs] += 1
+        done = False
+        try:
+            _copy_blocking(arrays, slabs, slots, starts, blocks)
+            done = True
+        finally:
+            with self._lock:
+                self._writing[outs] -= 1
+                if done:
+                    self._placed[outs] += 1
+                    self._shard_bytes[outs] += each
+                    self._ledger.stored(len(outs), each * len(outs))
+                else:
+                    self._ledger.forget_batch(input_, outs)
+                self._lock.notify_all()
+        return each * len(outs)
 
-    def _end(
-        self,
-        todo: tuple[list[_Output], list[int]],
-        done: int,
-        nbytes: list[int],
-        keys: list[int],
-        inputs: list[int],
-    ) -> int:
-        """Account the first ``done`` copies of ``todo`` as stored (pair ``k``: ``nbytes[k]``
-        bytes from input ``inputs[k]``) and give the rest back to the ledger (they may come
-        again); the bytes stored."""
-        accepted = 0
-        targets, chosen = todo
-        with self._lock:
-            for n, (target, k) in enumerate(zip(targets, chosen)):
-                target.writing -= 1
-                if n < done:
-                    target.placed.add(inputs[k])
-                    target.shard_bytes += nbytes[k]
-                    accepted += nbytes[k]
-            self._ledger.forget_keys(keys[k] for k in chosen[done:])
-            self._ledger.stored(done, accepted)
-            self._lock.notify_all()
-        return accepted
+    def _allocate_locked(self, outs: np.ndarray, shard_bytes: int) -> None:
+        """Allocate the outputs of ``outs`` that have no array yet: one slab per shape for
+        small shards (see :data:`SLAB_SHARD_BYTES`), else one array each."""
+        new = outs[self._slab_of[outs] < 0]
+        if not len(new):
+            return
+        shapes = self._partial.output_shapes(new)
+        if (shapes == shapes[0]).all():
+            groups = [(new, tuple(shapes[0].tolist()))]
+        else:
+            kinds, which = np.unique(shapes, axis=0, return_inverse=True)
+            which = which.reshape(-1)
+            groups = [(new[which == g], tuple(kinds[g].tolist())) for g in range(len(kinds))]
+        for members, shape in groups:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+            if len(members) > 1 and (shard_bytes <= SLAB_SHARD_BYTES or nbytes < OWN_PAGES_BYTES):
+                self._new_slab_locked(members, shape)
+            else:
+                for output in members.tolist():
+                    self._new_slab_locked(np.array([output]), shape)
+
+    def _new_slab_locked(self, members: np.ndarray, shape: tuple[int, ...]) -> None:
+        slab = empty_output((len(members), *shape), self.dtype)
+        touch_pages_blocking(slab)  # (page faults outside the GIL, see there)
+        sid = self._next_slab
+        self._next_slab += 1
+        self._slabs[sid] = slab
+        self._left[sid] = len(members)
+        self._slab_of[members] = sid
+        self._slot_of[members] = np.arange(len(members))
+        self._held += slab.nbytes
+        self._ledger.in_memory(self._held)
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _check_outputs(self, outs: np.ndarray, input_: int) -> None:
+        bad = np.flatnonzero((outs < 0) | (outs >= self._partial.n_outputs))
+        outside = not 0 <= input_ < self._partial.n_inputs
+        if len(bad) or outside:
+            output = int(outs[bad[0]]) if len(bad) else int(outs[0])
+            which = "input" if outside else "output"
+            raise RechunkRunError(
+                f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                f"which has no piece of that output (the {which} is not in the sub-shuffle)"
+            )
+
+    def _check_places(
+        self, outs: np.ndarray, input_: int, lengths: np.ndarray, shape: tuple[int, ...]
+    ) -> None:
+        """Raise unless each shard has the shape of input ``input_``'s piece of its output
+        (every piece has elements: a length of 0 or less means there is no piece)."""
+        absent = (lengths <= 0).any(axis=1)
+        wrong = absent.copy()
+        if len(shape) != lengths.shape[1]:
+            wrong[:] = True
+        else:
+            wrong |= (lengths != np.asarray(shape, dtype=np.int64)).any(axis=1)
+        bad = np.flatnonzero(wrong)
+        if not len(bad):
+            return
+        k = int(bad[0])
+        output = int(outs[k])
+        if absent[k]:
+            raise RechunkRunError(
+                f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                "which has no piece of that output"
+            )
+        raise RechunkRunError(
+            f"Store {self.name!r} got a shard of shape {tuple(shape)} for output {output} "
+            f"from input {input_}; its piece there has shape {tuple(lengths[k].tolist())}"
+        )
+
+    # -- reading -----------------------------------------------------------------------
 
     def take_output_blocking(self, output: int) -> tuple[np.ndarray | None, list[int]]:
         """Hand over output chunk ``output`` and forget it: the array (``None`` if no shard
         of it was written) and the inputs whose shards it lacks, sorted. Waits for copies
         into it still in progress."""
         with self._lock:
-            target = self._outputs.get(output)
-            while target is not None and target.writing and not self._closed:
+            while self._writing[output] and not self._closed:
                 self._lock.wait()
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
-            if target is None:
-                return None, sorted(self._placement(output))
-            del self._outputs[output]
-            target.bytes.release()
-            self._held -= target.array.nbytes
-            self._ledger.read(target.shard_bytes)
-        missing = []
-        if len(target.placed) != len(target.placement):
-            missing = sorted(set(target.placement) - target.placed)
-        return target.array, missing
+            sid = int(self._slab_of[output])
+            expected = self._partial.output_placement(output)
+            if sid < 0:
+                return None, sorted(expected)
+            slab = self._slabs[sid]
+            array = slab[int(self._slot_of[output])]
+            placed = int(self._placed[output])
+            self._slab_of[output] = -1
+            self._held -= array.nbytes
+            self._ledger.read(int(self._shard_bytes[output]))
+            self._left[sid] -= 1
+            self._placed[output] = self._shard_bytes[output] = 0
+            if not self._left[sid]:  # the outputs handed over keep the slab alive
+                del self._slabs[sid], self._left[sid]
+            complete = placed == len(expected)
+            missing = [] if complete else self._missing_locked(output, expected)
+            self._taken[output] = True
+        return array, missing
+
+    def _missing_locked(self, output: int, expected: Iterable[int]) -> list[int]:
+        if self._taken[output]:  # made again after it was handed over
+            late = self._late.pop(output, set())
+            return sorted(i for i in expected if i not in late)
+        return sorted(i for i in expected if not self._ledger.holds(output, i))
 
     def close_blocking(self) -> None:
         """Drop every output; idempotent."""
         with self._lock:
             self._closed = True
-            self._outputs.clear()
+            self._slabs.clear()
+            self._left.clear()
             self._held = 0
             self._ledger.clear()
             self._lock.notify_all()
@@ -293,52 +315,40 @@ class AssemblingMemoryStore:
     def statistics(self) -> StoreStatistics:
         """Return a snapshot of the store's counters (in memory: the output chunks begun)."""
         with self._lock:
-            return self._ledger.statistics(self.kind, outputs=len(self._outputs))
-
-    def _new_output(self, output: int) -> _Output:
-        """Allocate output ``output`` (under the lock)."""
-        array = empty_output(self._output_shape(output), self.dtype)
-        touch_pages_blocking(array)
-        target = _Output(output, array, self._placement(output))
-        self._outputs[output] = target
-        self._held += array.nbytes
-        self._ledger.in_memory(self._held)
-        return target
-
-    def _place_blocking(self, target: _Output, input_: int, array: np.ndarray) -> None:
-        where = target.placement.get(input_)
-        if where is None:
-            raise RechunkRunError(
-                f"Store {self.name!r} got a shard of output {target.output} from input "
-                f"{input_}, which has no piece of that output"
-            )
-        region = target.array[(*where, Ellipsis)]
-        if region.shape != array.shape:
-            raise RechunkRunError(
-                f"Store {self.name!r} got a shard of shape {array.shape} for output "
-                f"{target.output} from input {input_}; its piece there has shape {region.shape}"
-            )
-        copy_into_blocking(region, array)
+            begun = int((self._slab_of >= 0).sum())
+            return self._ledger.statistics(self.kind, outputs=begun)
 
 
-def _run_start(
-    where: tuple[slice, ...] | None,
-    dims: tuple[tuple[int, int], ...],
-    shape: tuple[int, ...],
-) -> int | None:
-    """Where a shard of ``shape`` placed at ``where`` starts in the bytes of an output of
-    ``dims`` (its ``_Output.dims``), when that place is one contiguous run of them; ``None``
-    otherwise (no place, not contiguous, or a place that does not match ``shape``: the
-    caller's general path raises for that)."""
-    if where is None or len(where) != len(dims) or len(shape) != len(dims):
-        return None
-    start = 0
-    spans = False  # an axis before this one has a piece longer than 1: the rest must be whole
-    for piece, length, (size, stride) in zip(where, shape, dims):
-        first, stop, step = piece.indices(size)
-        if step != 1 or stop - first != length or (spans and length != size):
-            return None
-        if length != 1:
-            spans = True
-        start += first * stride
-    return start
+def _copy_blocking(
+    arrays: dict[int, np.ndarray],
+    slabs: np.ndarray,
+    slots: np.ndarray,
+    starts: np.ndarray,
+    blocks: np.ndarray,
+) -> None:
+    """Copy shard ``blocks[k]`` to ``arrays[slabs[k]][slots[k]]`` at ``starts[k]``: one
+    strided copy for the shards of one slab that have one place in their outputs, one copy
+    per shard in an output of its own."""
+    shape = blocks.shape[1:]
+    key = np.column_stack((slabs, starts))
+    if (key == key[0]).all():
+        groups: list[tuple[np.ndarray | slice, np.ndarray]] = [(slice(None), key[0])]
+    else:
+        kinds, which = np.unique(key, axis=0, return_inverse=True)
+        order = np.argsort(which.reshape(-1), kind="stable")
+        bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(kinds) + 1))
+        groups = [(order[bounds[g] : bounds[g + 1]], kinds[g]) for g in range(len(kinds))]
+    for rows, (sid, *place) in groups:
+        slab = arrays[int(sid)]
+        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
+        chosen = slots[rows]
+        source = blocks[rows]
+        if len(slab) == 1:  # an output of its own: one copy per shard
+            for k in range(len(chosen)):
+                copy_into_blocking(slab[(0, *region)], source[k])
+            continue
+        lo, count = int(chosen[0]), len(chosen)
+        if int(chosen[-1]) - lo == count - 1 and (count < 2 or (np.diff(chosen) == 1).all()):
+            slab[(slice(lo, lo + count), *region)] = source
+        else:
+            slab[(chosen, *region)] = source

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import mmap
 import operator
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from rechunk_p2p.buffers.ledger import StoreStatistics
 from rechunk_p2p.buffers.pages import OUTPUT_PAGES
 from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
 from rechunk_p2p.worker.allocator import GLIBC_DEFAULT_THRESHOLD
@@ -33,155 +33,6 @@ Shard = tuple[int, int, np.ndarray]
 
 StoreKind = Literal["disk", "memory", "memory+disk"]
 STORE_KINDS: tuple[StoreKind, ...] = ("disk", "memory", "memory+disk")
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStatistics:
-    """**Immutable.** A snapshot of a shard store's counters.
-
-    Attributes
-    ----------
-    kind
-        ``"disk"`` or ``"memory"``.
-    shards
-        Distinct shards accepted since the store was created.
-    duplicates
-        Shards dropped because their ``(output, input)`` pair was already stored.
-    bytes_written
-        Payload bytes accepted (for disk: bytes spilled to the data file, which for object
-        dtype is the pickled size).
-    bytes_read
-        Payload bytes returned by reads (same unit as ``bytes_written``).
-    bytes_buffered
-        Bytes currently held (memory) or on disk (disk) that have not been read and
-        discarded yet. Zero after close.
-    outputs
-        Output indices that currently have data.
-    max_bytes_in_memory
-        The most shard bytes the store held in memory at once (memory: everything it held;
-        disk: its write buffer, both halves).
-    bytes_spilled
-        Of ``bytes_written``, the bytes written to disk.
-    """
-
-    kind: str
-    shards: int
-    duplicates: int
-    bytes_written: int
-    bytes_read: int
-    bytes_buffered: int
-    outputs: int
-    max_bytes_in_memory: int = 0
-    bytes_spilled: int = 0
-
-
-#: A pair ``(output, input)`` is kept as the int ``output * _PAIR_BASE + input``: an int is
-#: not tracked by the garbage collector, where a tuple per shard was (the 3-D workload stores
-#: 131,072 shards a worker, and young tuples made the collector run every few hundred of
-#: them). Flat chunk indices stay far below it (a task graph of 2**31 chunks does not fit in
-#: memory), and keys made with numpy stay within int64 (checked in :func:`pair_keys`).
-_PAIR_BASE = 1 << 32
-_MAX_OUTPUTS = 1 << 31
-_OUT_OF_RANGE = "Chunk indices out of range for the shard ledger"
-
-
-def pair_keys(
-    outputs: Sequence[int] | np.ndarray, inputs: int | Sequence[int] | np.ndarray
-) -> list[int]:
-    """The ledger's keys of the pairs ``(outputs[k], inputs[k])`` (or of one input)."""
-    outs = np.asarray(outputs, dtype=np.int64)
-    ins = np.asarray(inputs, dtype=np.int64)
-    if outs.size and (
-        outs.min() < 0 or outs.max() >= _MAX_OUTPUTS or ins.min() < 0 or ins.max() >= _PAIR_BASE
-    ):
-        raise RechunkRunError(_OUT_OF_RANGE)
-    return (outs * _PAIR_BASE + ins).tolist()
-
-
-class ShardLedger:
-    """**Guarded by the owning store's lock** (not thread-safe on its own). The bookkeeping
-    both stores share: which ``(output, input)`` pairs were stored, and the byte counters.
-    Pairs are given as keys (:func:`pair_keys`).
-    """
-
-    __slots__ = (
-        "_seen",
-        "bytes_buffered",
-        "bytes_read",
-        "bytes_written",
-        "duplicates",
-        "max_bytes_in_memory",
-        "shards",
-    )
-
-    def __init__(self) -> None:
-        self._seen: set[int] = set()  # pair keys
-        self.shards = 0
-        self.duplicates = 0
-        self.bytes_written = 0
-        self.bytes_read = 0
-        self.bytes_buffered = 0
-        self.max_bytes_in_memory = 0
-
-    def in_memory(self, nbytes: int) -> None:
-        """The store holds ``nbytes`` of shards in memory now (keeps the peak)."""
-        self.max_bytes_in_memory = max(self.max_bytes_in_memory, nbytes)
-
-    def admit(self, output: int, input_: int) -> bool:
-        """Whether the pair is new (and is now taken); a pair seen before counts a duplicate."""
-        if not (0 <= output < _MAX_OUTPUTS and 0 <= input_ < _PAIR_BASE):  # as pair_keys
-            raise RechunkRunError(_OUT_OF_RANGE)
-        return self._admit_key(output * _PAIR_BASE + input_)
-
-    def _admit_key(self, key: int) -> bool:
-        if key in self._seen:
-            self.duplicates += 1
-            return False
-        self._seen.add(key)
-        return True
-
-    def admit_keys(self, keys: list[int]) -> list[bool] | None:
-        """:meth:`admit` for many pairs, given as keys: ``None`` when every pair is new (the
-        usual case, decided without a Python step per pair), else whether each one is."""
-        if self._seen.isdisjoint(keys):
-            before = len(self._seen)
-            self._seen.update(keys)
-            if len(self._seen) - before == len(keys):
-                return None
-            self._seen.difference_update(keys)  # a pair repeated within the batch
-        return [self._admit_key(k) for k in keys]
-
-    def forget_keys(self, keys: Iterable[int]) -> None:
-        """Give admitted pairs back (their write failed; a retry may store them)."""
-        self._seen.difference_update(keys)
-
-    def stored(self, shards: int, nbytes: int) -> None:
-        self.shards += shards
-        self.bytes_written += nbytes
-        self.bytes_buffered += nbytes
-
-    def read(self, nbytes: int) -> None:
-        """``nbytes`` were read and discarded."""
-        self.bytes_read += nbytes
-        self.bytes_buffered -= nbytes
-
-    def clear(self) -> None:
-        """The store closed: nothing is held any more (the counters of the past stay)."""
-        self._seen.clear()
-        self.bytes_buffered = 0
-
-    def statistics(self, kind: str, outputs: int) -> StoreStatistics:
-        return StoreStatistics(
-            kind=kind,
-            shards=self.shards,
-            duplicates=self.duplicates,
-            bytes_written=self.bytes_written,
-            bytes_read=self.bytes_read,
-            bytes_buffered=self.bytes_buffered,
-            outputs=outputs,
-            max_bytes_in_memory=self.max_bytes_in_memory,
-            bytes_spilled=self.bytes_written if kind == "disk" else 0,
-        )
 
 
 @runtime_checkable

@@ -40,12 +40,10 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import (
     Shard,
-    ShardLedger,
     StoreStatistics,
     check_shard,
     closed_error,
     owned_array,
-    pair_keys,
     place_blocking,
 )
 from rechunk_p2p.buffers.direct import (
@@ -55,6 +53,7 @@ from rechunk_p2p.buffers.direct import (
     open_direct,
     worth_direct,
 )
+from rechunk_p2p.buffers.ledger import ShardLedger, pair_keys
 from rechunk_p2p.buffers.wire import Packed, packed_sizes, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError, RechunkStorageError
 

@@ -13,7 +13,6 @@ import numpy as np
 from rechunk_p2p.buffers.base import (
     SMALL_COPY_BYTES,
     Shard,
-    ShardLedger,
     StoreStatistics,
     check_shard,
     closed_error,
@@ -21,6 +20,7 @@ from rechunk_p2p.buffers.base import (
     owned_array,
     place_blocking,
 )
+from rechunk_p2p.buffers.ledger import ShardLedger
 from rechunk_p2p.buffers.wire import Packed, unpack_blocking
 from rechunk_p2p.errors import RechunkRunError
 

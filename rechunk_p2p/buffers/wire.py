@@ -95,6 +95,7 @@ def cut_regular_blocking(
     slices: list[list[slice]],
     dtype: np.dtype | None = None,
     out: np.ndarray | None = None,
+    lengths: list[int | None] | None = None,
 ) -> np.ndarray | None:
     """All shards of ``data`` in one copy, when its cuts are regular; else ``None``.
 
@@ -110,6 +111,10 @@ def cut_regular_blocking(
     new pages, where a new array of the chunk's size is fresh memory each time (distributed
     has its workers return freed memory to the system at once).
 
+    ``lengths``, the pieces' one length per axis where known
+    (:meth:`~rechunk_p2p.planning.Partial.input_cut_lengths`; ``None`` where they differ),
+    saves looking at every piece (an input chunk cut for thousands of outputs).
+
     >>> cut_regular_blocking(np.arange(4), [[slice(0, 2), slice(2, 4)]]).tolist()
     [[0, 1], [2, 3]]
     >>> cut_regular_blocking(np.arange(3), [[slice(0, 2), slice(2, 3)]]) is None
@@ -118,13 +123,13 @@ def cut_regular_blocking(
     dtype = data.dtype if dtype is None else np.dtype(dtype)
     if data.size == 0 or data.dtype.hasobject or not np.can_cast(data.dtype, dtype, "equiv"):
         return None
-    counts, lengths = [], []
-    for axis, pieces in enumerate(slices):
-        sizes = {len(range(*p.indices(data.shape[axis]))) for p in pieces}
-        if len(sizes) != 1:
-            return None
-        counts.append(len(pieces))
-        lengths.append(sizes.pop())
+    counts = [len(pieces) for pieces in slices]
+    if lengths is None or len(lengths) != len(slices):
+        lengths = [_one_length(pieces, n) for pieces, n in zip(slices, data.shape)]
+    elif any(len(p) == 1 for p in slices):  # (a whole-axis piece: unknown chunk sizes)
+        lengths = [n if len(p) == 1 else k for p, n, k in zip(slices, data.shape, lengths)]
+    if None in lengths:
+        return None
     if [c * n for c, n in zip(counts, lengths)] != list(data.shape):
         return None
     ndim = data.ndim
@@ -142,6 +147,12 @@ def cut_regular_blocking(
         split = np.asarray(data).reshape([v for pair in zip(counts, lengths) for v in pair])
         np.copyto(blocks, split.transpose(order), casting="equiv")
     return blocks.reshape(-1, *lengths)
+
+
+def _one_length(pieces: list[slice], extent: int) -> int | None:
+    """The one length of ``pieces`` of an axis of ``extent``, or ``None`` if they differ."""
+    sizes = {len(range(*p.indices(extent))) for p in pieces}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def pack_blocks(outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.dtype) -> Packed:

@@ -139,6 +139,48 @@ class Partial:
             sizes *= np.asarray(chunks, dtype=np.int64)[index]
         return sizes
 
+    def output_shapes(self, flats: np.ndarray) -> np.ndarray:
+        """Shapes of the output chunks ``flats`` (flat indices), one row each, at once.
+
+        >>> p = Partial((0, 0), (0, 0), (0, 0), ((2, 2), (4,)), ((4,), (1, 3)))
+        >>> p.output_shapes(np.array([1, 0])).tolist()
+        [[4, 3], [4, 1]]
+        """
+        local = np.unravel_index(np.asarray(flats, dtype=np.int64), self.new_grid)
+        columns = [np.asarray(c, dtype=np.int64)[i] for c, i in zip(self.new_chunks, local)]
+        return np.stack(columns, axis=1).reshape(len(flats), self.ndim)
+
+    @cached_property
+    def _starts(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+        """Per axis, where each input and each output chunk starts (one extra entry: the end)."""
+        old = tuple(np.concatenate(([0], np.cumsum(c, dtype=np.int64))) for c in self.old_chunks)
+        new = tuple(np.concatenate(([0], np.cumsum(c, dtype=np.int64))) for c in self.new_chunks)
+        return old, new
+
+    def places(self, input_: int, outputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where input chunk ``input_``'s piece of each output chunk in ``outputs`` lies in
+        that output: its start and its length per axis, one row per output, computed for all
+        outputs at once (a length of 0 or less: the input has no piece of that output).
+
+        >>> p = Partial((0, 0), (0, 0), (0, 0), ((3, 3), (4,)), ((6,), (2, 2)))
+        >>> starts, lengths = p.places(1, np.array([0, 1]))
+        >>> starts.tolist(), lengths.tolist()
+        ([[3, 0], [3, 0]], [[3, 2], [3, 2]])
+        """
+        old, new = self._starts
+        local_in = _unravel(input_, self.old_grid)
+        local_out = np.unravel_index(np.asarray(outputs, dtype=np.int64), self.new_grid)
+        n = len(outputs)
+        starts = np.empty((n, self.ndim), dtype=np.int64)
+        lengths = np.empty((n, self.ndim), dtype=np.int64)
+        for axis, (i, o) in enumerate(zip(local_in, local_out)):
+            first, stop = old[axis][i], old[axis][i + 1]
+            begin, end = new[axis][o], new[axis][o + 1]
+            lo = np.maximum(first, begin)
+            starts[:, axis] = lo - begin
+            lengths[:, axis] = np.minimum(stop, end) - lo
+        return starts, lengths
+
     def input_shape(self, flat: int) -> tuple[int, ...]:
         """Shape of the input chunk with flat index ``flat``."""
         local = _unravel(flat, self.old_grid)
@@ -180,6 +222,28 @@ class Partial:
         local = _unravel(flat, self.old_grid)
         cuts = [by_old.get(i, ([], [])) for by_old, i in zip(self._cuts_by_old, local)]
         return [c[0] for c in cuts], [c[1] for c in cuts]
+
+    @cached_property
+    def _cut_lengths_by_old(self) -> tuple[dict[int, int | None], ...]:
+        """Per axis: old chunk index -> the length of each of its pieces, if all have one."""
+        out = []
+        for by_old in self._by_old:
+            lengths = {}
+            for k, pieces in by_old.items():
+                sizes = {p.old_stop - p.old_start for p in pieces}
+                lengths[k] = sizes.pop() if len(sizes) == 1 else None
+            out.append(lengths)
+        return tuple(out)
+
+    def input_cut_lengths(self, flat: int) -> list[int | None]:
+        """Per axis, the one length of every piece of input chunk ``flat`` along it (``None``
+        where pieces differ): a cut is regular where every axis has one.
+
+        >>> Partial((0,), (0,), (0,), ((4, 3),), ((2, 2, 3),)).input_cut_lengths(0)
+        [2]
+        """
+        local = _unravel(flat, self.old_grid)
+        return [by_old.get(i) for by_old, i in zip(self._cut_lengths_by_old, local)]
 
     def flat_outputs(self, indices: list[list[int]]) -> np.ndarray:
         """Flat output indices of every combination of one new chunk index per axis, in C order.

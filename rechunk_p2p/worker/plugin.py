@@ -275,8 +275,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
             buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
             direct_io=self._direct_io(run_spec, storage),
-            output_shape=partial.output_shape if known else None,
-            placement=partial.output_placement if known else None,
+            partial=partial if known else None,
             in_memory=in_memory,
         )
         shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane

@@ -303,7 +303,8 @@ class WorkerRun:
         outputs = spec.partial.flat_outputs(indices)
         positions = run_spec.send_positions(flat, outputs)
         me = self._position_in(run_spec)
-        blocks = cut_regular_blocking(data, slices, spec.dtype, out=scratch)
+        lengths = spec.partial.input_cut_lengths(flat)
+        blocks = cut_regular_blocking(data, slices, spec.dtype, out=scratch, lengths=lengths)
         if blocks is None:
             data = np.asarray(data)
             return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)

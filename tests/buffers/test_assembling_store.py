@@ -24,12 +24,7 @@ def _partial(shape: tuple[int, ...], old: tuple[int, ...], new: tuple[int, ...])
 
 
 def _store(partial: Partial, dtype: str = "f8") -> AssemblingMemoryStore:
-    return AssemblingMemoryStore(
-        np.dtype(dtype),
-        "test",
-        partial.output_shape,
-        lambda flat: dict(partial.shards_of_output(flat)),
-    )
+    return AssemblingMemoryStore(np.dtype(dtype), "test", partial)
 
 
 def _shards(partial: Partial, data: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
@@ -131,12 +126,14 @@ def test_wrong_shards_are_refused_and_may_come_again() -> None:
         store.write_blocking([(0, 7, good)])
     with pytest.raises(RechunkTypeError):
         store.write_blocking([(0, 1, good.astype("f4"))])
-    # the refused shard was not taken: it can be delivered right
-    assert store.write_blocking([(0, 1, 2 * good)]) == good.nbytes
+    # a batch is checked whole before anything is stored: the refused shards were not
+    # taken, and can be delivered right
+    assert store.statistics().shards == 0
+    assert store.write_blocking([(0, 0, good), (0, 1, 2 * good)]) == 2 * good.nbytes
     out, missing = store.take_output_blocking(0)
     assert missing == [] and out[:2].sum() == 6 and out[2:].sum() == 12
     with pytest.raises(RechunkTypeError, match="object"):
-        AssemblingMemoryStore(np.dtype(object), "x", partial.output_shape, lambda f: {})
+        AssemblingMemoryStore(np.dtype(object), "x", partial)
     store.close_blocking()
 
 
@@ -212,24 +209,17 @@ def test_new_outputs_have_their_pages_touched_outside_the_gil() -> None:
 
 
 @pytest.mark.parametrize(
-    ("shape", "old", "new", "dtype", "moves"),
+    ("shape", "old", "new", "dtype"),
     [
-        ((16, 32, 32), (1, 32, 32), (16, 8, 8), "f4", True),  # contiguous: memory moves
-        ((30, 30), (7, 30), (30, 4), "f8", True),  # irregular edges: several block shapes
-        ((12, 10, 6), (5, 3, 6), (4, 10, 2), "i2", False),  # strided: numpy assignments
-        ((8, 8), (3, 8), (8, 3), ">f8", True),  # the store converts the byte order
+        ((16, 32, 32), (1, 32, 32), (16, 8, 8), "f4"),  # maps to time series
+        ((30, 30), (7, 30), (30, 4), "f8"),  # irregular edges: several block shapes
+        ((12, 10, 6), (5, 3, 6), (4, 10, 2), "i2"),  # strided places
+        ((8, 8), (3, 8), (8, 3), ">f8"),  # the store converts the byte order
+        ((64, 512), (1, 512), (64, 4), "f8"),  # thin rows to column strips: slabs
+        ((6, 4096), (1, 4096), (6, 512), "f8"),  # 4 KiB shards: outputs of their own
     ],
 )
-def test_blocks_of_one_input_are_placed_as_single_shards_are(
-    shape, old, new, dtype, moves, monkeypatch
-) -> None:
-    assignments = []
-    place = AssemblingMemoryStore._place_blocking
-    monkeypatch.setattr(
-        AssemblingMemoryStore,
-        "_place_blocking",
-        lambda self, *a: (assignments.append(a[1]), place(self, *a)),
-    )
+def test_blocks_of_one_input_are_placed_as_single_shards_are(shape, old, new, dtype) -> None:
     partial = _partial(shape, old, new)
     rng = np.random.default_rng(1)
     data = rng.integers(0, 1000, shape).astype(dtype)
@@ -250,8 +240,24 @@ def test_blocks_of_one_input_are_placed_as_single_shards_are(
         np.testing.assert_array_equal(out, _expected(partial, data, flat))
     stats = store.statistics()
     assert stats.bytes_written == data.nbytes and stats.duplicates == stats.shards
-    assert (assignments == []) is moves  # every shard moved, or (strided) none could be
     store.close_blocking()
+
+
+def test_small_shards_fill_outputs_of_one_slab_large_ones_outputs_of_their_own() -> None:
+    thin = _partial((8, 64), (1, 64), (8, 4))  # 32-byte shards: one slab for 16 outputs
+    thick = _partial((32, 2048), (1, 2048), (32, 512))  # 4 KiB shards, 128 KiB outputs
+    for partial, shared in ((thin, True), (thick, False)):
+        data = np.arange(int(np.prod(partial.output_shape(0))) * partial.n_outputs, dtype="f8")
+        data = data.reshape([sum(c) for c in partial.old_chunks])
+        store = _store(partial)
+        store.write_blocking(_shards(partial, data))
+        outs = [store.take_output_blocking(flat)[0] for flat in range(partial.n_outputs)]
+        for flat, out in enumerate(outs):
+            assert out.flags.c_contiguous and out.flags.writeable
+            np.testing.assert_array_equal(out, _expected(partial, data, flat))
+        bases = {id(np.asarray(out).base) for out in outs}
+        assert (len(bases) == 1) is shared
+        store.close_blocking()
 
 
 def test_blocks_that_do_not_fit_their_places_are_refused_by_name() -> None:
@@ -291,7 +297,7 @@ def test_a_batch_of_blocks_delivered_again_is_dropped_as_duplicates() -> None:
 
 
 def test_the_ledger_takes_pairs_and_keys_alike() -> None:
-    from rechunk_p2p.buffers.base import ShardLedger, pair_keys
+    from rechunk_p2p.buffers.ledger import ShardLedger, pair_keys
 
     ledger = ShardLedger()
     assert ledger.admit_keys(pair_keys([1, 2], [2, 1])) is None  # all new
@@ -312,18 +318,16 @@ def test_the_ledger_takes_pairs_and_keys_alike() -> None:
         ledger.admit(0, 2**32)
 
 
-def test_a_shard_placed_alike_in_outputs_of_other_layouts_lands_right() -> None:
-    """Consecutive outputs of a batch with one place for the input but rows of other widths:
-    the start found for the first must not be used for the second."""
-    shapes = {0: (2, 4), 1: (2, 5), 2: (2, 5)}
-    where = (slice(1, 2), slice(0, 4))
-    store = AssemblingMemoryStore(
-        np.dtype("f8"), "layouts", shapes.__getitem__, lambda flat: {0: where}
-    )
-    blocks = np.arange(12, dtype="f8").reshape(3, 1, 4)
-    assert store.write_blocks_blocking([0, 1, 2], 0, blocks) == blocks.nbytes
-    for output in (0, 1, 2):
+def test_outputs_of_other_shapes_get_slabs_of_their_own() -> None:
+    """A row cut for outputs of widths 4, 5 and 5: the shards of one shape are placed
+    together, and each output holds exactly its own columns."""
+    partial = _partial((2, 14), (1, 14), (2, (4, 5, 5)))
+    store = _store(partial)
+    data = np.arange(28, dtype="f8").reshape(2, 14)
+    for flat in range(partial.n_inputs):
+        store.write_blocking(s for s in _shards(partial, data) if s[1] == flat)
+    for output in range(3):
         out, missing = store.take_output_blocking(output)
-        assert missing == [] and out.shape == shapes[output]
-        np.testing.assert_array_equal(out[where], blocks[output])
+        assert missing == [] and out.flags.c_contiguous
+        np.testing.assert_array_equal(out, _expected(partial, data, output))
     store.close_blocking()

@@ -32,8 +32,7 @@ def _split(partial, in_memory, directory: Path, buffer_bytes: int = 0) -> SplitS
         directory=directory,
         name="split-test",
         buffer_bytes=buffer_bytes,
-        output_shape=partial.output_shape,
-        placement=lambda flat: dict(partial.shards_of_output(flat)),
+        partial=partial,
         in_memory=mask,
     )
     assert isinstance(store, SplitStore)

@@ -1,0 +1,261 @@
+"""Which shards a store holds: the ``(output, input)`` pairs it accepted, kept as runs.
+
+Where it runs: pure bookkeeping, under the owning store's lock (task threads and the offload
+pool).
+
+A store drops a shard whose pair it accepted before, so a retried delivery or a continued
+run's resend never duplicates data. A set of one entry per pair cost about 70 bytes and a
+Python step per shard: a rechunk of thin held rows into column strips has millions of shards
+of a few dozen bytes each on every worker, and that set outweighed the data. Here the outputs
+accepted from one input are kept as runs of consecutive flat indices (a regular cut sends
+each worker a run of outputs, so usually one run per input and worker), checked and updated
+with a few numpy operations per batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rechunk_p2p.errors import RechunkRunError
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatistics:
+    """**Immutable.** A snapshot of a shard store's counters.
+
+    Attributes
+    ----------
+    kind
+        ``"disk"`` or ``"memory"``.
+    shards
+        Distinct shards accepted since the store was created.
+    duplicates
+        Shards dropped because their ``(output, input)`` pair was already stored.
+    bytes_written
+        Payload bytes accepted (for disk: bytes spilled to the data file, which for object
+        dtype is the pickled size).
+    bytes_read
+        Payload bytes returned by reads (same unit as ``bytes_written``).
+    bytes_buffered
+        Bytes currently held (memory) or on disk (disk) that have not been read and
+        discarded yet. Zero after close.
+    outputs
+        Output indices that currently have data.
+    max_bytes_in_memory
+        The most shard bytes the store held in memory at once (memory: everything it held;
+        disk: its write buffer, both halves).
+    bytes_spilled
+        Of ``bytes_written``, the bytes written to disk.
+    """
+
+    kind: str
+    shards: int
+    duplicates: int
+    bytes_written: int
+    bytes_read: int
+    bytes_buffered: int
+    outputs: int
+    max_bytes_in_memory: int = 0
+    bytes_spilled: int = 0
+
+
+#: A pair ``(output, input)`` is named by the int ``output * _PAIR_BASE + input`` where one
+#: value per pair is wanted (:func:`pair_keys`). Flat chunk indices stay far below it (a task
+#: graph of 2**31 chunks does not fit in memory), and keys made with numpy stay within int64.
+_PAIR_BASE = 1 << 32
+_MAX_OUTPUTS = 1 << 31
+_OUT_OF_RANGE = "Chunk indices out of range for the shard ledger"
+
+
+def pair_keys(
+    outputs: Sequence[int] | np.ndarray, inputs: int | Sequence[int] | np.ndarray
+) -> np.ndarray:
+    """The keys of the pairs ``(outputs[k], inputs[k])`` (or of one input), as int64."""
+    outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
+    ins = np.asarray(inputs, dtype=np.int64)
+    _check_range(outs, ins)
+    return outs * _PAIR_BASE + ins
+
+
+def _check_range(outputs: np.ndarray, inputs: np.ndarray | int) -> None:
+    ins = np.asarray(inputs)
+    if outputs.size and (
+        outputs.min() < 0
+        or outputs.max() >= _MAX_OUTPUTS
+        or ins.min() < 0
+        or ins.max() >= _PAIR_BASE
+    ):
+        raise RechunkRunError(_OUT_OF_RANGE)
+
+
+def _runs(sorted_unique: np.ndarray) -> tuple[list[int], list[int]]:
+    """Starts and ends (exclusive) of the runs of consecutive values of an ascending array
+    without repeats.
+
+    >>> _runs(np.array([1, 2, 3, 7, 9, 10]))
+    ([1, 7, 9], [4, 8, 11])
+    """
+    if not len(sorted_unique):
+        return [], []
+    breaks = np.flatnonzero(np.diff(sorted_unique) != 1) + 1
+    starts = sorted_unique[np.concatenate(([0], breaks))]
+    ends = sorted_unique[np.concatenate((breaks - 1, [len(sorted_unique) - 1]))] + 1
+    return starts.tolist(), ends.tolist()
+
+
+def _merge(
+    a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]
+) -> tuple[list[int], list[int]]:
+    """The union of two sets of disjoint runs, as disjoint runs (touching ones joined)."""
+    if not a[0]:
+        return b
+    if not b[0]:
+        return a
+    pairs = sorted(zip(a[0] + b[0], a[1] + b[1]))
+    starts, ends = [pairs[0][0]], [pairs[0][1]]
+    for lo, hi in pairs[1:]:
+        if lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    return starts, ends
+
+
+def _increasing(values: np.ndarray) -> bool:
+    return len(values) < 2 or bool((values[1:] > values[:-1]).all())
+
+
+class ShardLedger:
+    """**Guarded by the owning store's lock** (not thread-safe on its own). The bookkeeping
+    every store shares: which ``(output, input)`` pairs were stored, and the byte counters.
+    """
+
+    __slots__ = (
+        "_held",
+        "bytes_buffered",
+        "bytes_read",
+        "bytes_written",
+        "duplicates",
+        "max_bytes_in_memory",
+        "shards",
+    )
+
+    def __init__(self) -> None:
+        # input -> (starts, ends) of the runs of outputs accepted from it
+        self._held: dict[int, tuple[list[int], list[int]]] = {}
+        self.shards = 0
+        self.duplicates = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.bytes_buffered = 0
+        self.max_bytes_in_memory = 0
+
+    def in_memory(self, nbytes: int) -> None:
+        """The store holds ``nbytes`` of shards in memory now (keeps the peak)."""
+        self.max_bytes_in_memory = max(self.max_bytes_in_memory, nbytes)
+
+    def admit_batch(self, input_: int, outputs: np.ndarray) -> np.ndarray | None:
+        """Take the pairs ``(outputs[k], input_)``: ``None`` when every one is new (the usual
+        case), else whether each one is (a pair held before, or repeated earlier in the
+        batch, is not, and counts a duplicate)."""
+        outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
+        _check_range(outs, input_)
+        held = self._held.get(input_)
+        ascending = _increasing(outs)
+        if held is None and ascending:
+            self._held[input_] = _runs(outs)
+            return None
+        fresh = np.ones(len(outs), dtype=bool)
+        if held is not None and held[0]:
+            starts, ends = np.asarray(held[0]), np.asarray(held[1])
+            k = np.searchsorted(starts, outs, side="right") - 1
+            fresh &= ~((k >= 0) & (outs < ends[np.maximum(k, 0)]))
+        if not ascending:
+            once = np.zeros(len(outs), dtype=bool)
+            once[np.unique(outs, return_index=True)[1]] = True
+            fresh &= once
+        taken = np.sort(outs[fresh])
+        self._held[input_] = _merge(held or ([], []), _runs(taken))
+        if fresh.all():
+            return None
+        self.duplicates += int(len(outs) - fresh.sum())
+        return fresh
+
+    def forget_batch(self, input_: int, outputs: np.ndarray) -> None:
+        """Give admitted pairs back (their write failed; a retry may store them)."""
+        held = self._held.get(input_)
+        if not held or not held[0]:
+            return
+        have = np.concatenate([np.arange(lo, hi) for lo, hi in zip(*held)])
+        left = have[~np.isin(have, np.asarray(outputs, dtype=np.int64))]
+        self._held[input_] = _runs(left)
+
+    def holds(self, output: int, input_: int) -> bool:
+        """Whether the pair was accepted (and not given back)."""
+        held = self._held.get(input_)
+        if not held:
+            return False
+        k = bisect.bisect_right(held[0], output) - 1
+        return k >= 0 and output < held[1][k]
+
+    def admit(self, output: int, input_: int) -> bool:
+        """Whether the pair is new (and is now taken); a pair seen before counts a duplicate."""
+        return self.admit_batch(input_, np.array([output], dtype=np.int64)) is None
+
+    def admit_keys(self, keys: Iterable[int] | np.ndarray) -> list[bool] | None:
+        """:meth:`admit_batch` for pairs of any inputs, given as :func:`pair_keys`: ``None``
+        when every pair is new, else whether each one is."""
+        keys = np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), dtype=np.int64)
+        outs, ins = keys // _PAIR_BASE, keys % _PAIR_BASE
+        if not len(keys):
+            return None
+        if (ins == ins[0]).all():
+            fresh = self.admit_batch(int(ins[0]), outs)
+            return None if fresh is None else fresh.tolist()
+        mask = np.ones(len(keys), dtype=bool)
+        for input_ in dict.fromkeys(ins.tolist()):  # in order of first appearance
+            rows = np.flatnonzero(ins == input_)
+            fresh = self.admit_batch(input_, outs[rows])
+            if fresh is not None:
+                mask[rows] = fresh
+        return None if mask.all() else mask.tolist()
+
+    def forget_keys(self, keys: Iterable[int] | np.ndarray) -> None:
+        """Give admitted pairs back, given as :func:`pair_keys`."""
+        keys = np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), dtype=np.int64)
+        outs, ins = keys // _PAIR_BASE, keys % _PAIR_BASE
+        for input_ in np.unique(ins).tolist():
+            self.forget_batch(input_, outs[ins == input_])
+
+    def stored(self, shards: int, nbytes: int) -> None:
+        self.shards += shards
+        self.bytes_written += nbytes
+        self.bytes_buffered += nbytes
+
+    def read(self, nbytes: int) -> None:
+        """``nbytes`` were read and discarded."""
+        self.bytes_read += nbytes
+        self.bytes_buffered -= nbytes
+
+    def clear(self) -> None:
+        """The store closed: nothing is held any more (the counters of the past stay)."""
+        self._held.clear()
+        self.bytes_buffered = 0
+
+    def statistics(self, kind: str, outputs: int) -> StoreStatistics:
+        return StoreStatistics(
+            kind=kind,
+            shards=self.shards,
+            duplicates=self.duplicates,
+            bytes_written=self.bytes_written,
+            bytes_read=self.bytes_read,
+            bytes_buffered=self.bytes_buffered,
+            outputs=outputs,
+            max_bytes_in_memory=self.max_bytes_in_memory,
+            bytes_spilled=self.bytes_written if kind == "disk" else 0,
+        )
