@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,15 @@ from integration.resources import ResourceSampler
 from integration.workloads import (
     DEFAULT_BYTES,
     IMPLEMENTATIONS,
+    ORIGINS,
     Workload,
     checked,
+    input_array,
     many_small,
     rows_to_columns,
     rows_to_columns_8mib,
     size_from_env,
-    source_array,
+    thin_rows,
     time_to_space,
     workload_graph,
 )
@@ -64,6 +66,9 @@ _MAKERS = {
     "3d": time_to_space,
     "many": many_small,
     "2d128": rows_to_columns_8mib,
+    "thin1": lambda n: thin_rows(n, 1),
+    "thin4": lambda n: thin_rows(n, 4),
+    "thin16": lambda n: thin_rows(n, 16),
 }
 
 
@@ -73,7 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--size", help="bytes per workload, e.g. 1.5GiB (default: env or built-in)")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workloads", default="2d,3d,many", help=f"comma list of {sorted(_MAKERS)}")
+    p.add_argument(
+        "--workloads",
+        default="2d,3d,many,2d128,thin1,thin4,thin16",
+        help=f"comma list of {sorted(_MAKERS)}",
+    )
+    p.add_argument(
+        "--origins",
+        default="made,held",
+        help=f"comma list of {list(ORIGINS)}: input made inside the rechunk, held in worker "
+        "memory before the clock starts, or derived from held chunks by a reduction",
+    )
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma list, in run order")
     p.add_argument("--interval", default="5ms", help="loop-lag probe interval")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before giving up")
@@ -104,7 +119,12 @@ def workloads_for(args: argparse.Namespace) -> list[Workload]:
     sizes = size_from_env()
     if args.size:
         sizes = dict.fromkeys(DEFAULT_BYTES, int(parse_bytes(args.size)))
-    return [_MAKERS[k](sizes[k]) for k in args.workloads.split(",")]
+    origins = args.origins.split(",")
+    unknown = sorted(set(origins) - set(ORIGINS))
+    if unknown:
+        raise SystemExit(f"unknown origins {unknown}; choose from {list(ORIGINS)}")
+    made = [_MAKERS[k](sizes[k]) for k in args.workloads.split(",")]
+    return [replace(w, origin=o) for o in origins for w in made]
 
 
 def _worker_info(client: Client) -> tuple[dict[str, int], dict[str, str]]:
@@ -168,9 +188,16 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
     """One timed, measured, checked run; never raises for a failed run (records it)."""
     pids, dirs = _worker_info(client)
     stats0 = _engine_statistics(client, impl)
-    out: dict[str, Any] = {"impl": impl, "workload": w.name, "load_before": os.getloadavg()[0]}
+    out: dict[str, Any] = {
+        "impl": impl,
+        "workload": w.label,
+        "origin": w.origin,
+        "load_before": os.getloadavg()[0],
+    }
     try:
-        y, ok = workload_graph(impl, w)
+        x = input_array(w, client)  # a held input is held before the clock starts
+        y, ok = workload_graph(impl, w, x)
+        del x
     except Exception as e:  # e.g. an implementation refusing the workload
         return {**out, "ok": False, "error": f"{type(e).__name__}: {e}"}
     held = None
@@ -195,7 +222,7 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         if held is not None and result:  # after the clock: every output held is right
             result = bool(client.compute(checked(held, w)).result(timeout=args.timeout))
             error = None if result else "wrong values in the outputs"
-    del held
+    del held, y, ok
     stats1 = _engine_statistics(client, impl)
     delta = None if stats0 is None or stats1 is None else {k: stats1[k] - stats0[k] for k in stats1}
     report = probe.report
@@ -271,9 +298,11 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for key in dict.fromkeys([(r["workload"], r["impl"]) for r in runs]):
         rows = groups.get(key, [])
         med = {k: statistics.median(row[k] for row in rows) for k in rows[0]} if rows else {}
+        origin = next((r.get("origin", "made") for r in runs if r["workload"] == key[0]), "made")
         out.append(
             {
                 "workload": key[0],
+                "origin": origin,
                 "impl": key[1],
                 "runs": len(rows),
                 "failed": failures.get(key, 0),
@@ -286,6 +315,7 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def format_table(meds: list[dict[str, Any]]) -> str:
     cols = (
         "workload",
+        "origin",
         "impl",
         "ok/n",
         "wall s",
@@ -305,16 +335,18 @@ def format_table(meds: list[dict[str, Any]]) -> str:
         "spilled",
         "wrk CPU s",
     )
-    widths = (-18, -12, 5, 7, 6, 7, 8, 7, 8, 5, 5, 7, 8, 6, 6, 10, 10, 10, 9)
+    widths = (-18, -8, -12, 5, 7, 6, 7, 8, 7, 8, 5, 5, 7, 8, 6, 6, 10, 10, 10, 9)
     fmt = " ".join(f"{{:{'<' if w < 0 else '>'}{abs(w)}}}" for w in widths)
     lines = [fmt.format(*cols), "-" * 160]
     for m in meds:
         if not m["runs"]:
-            lines.append(fmt.format(m["workload"], m["impl"], f"0/{m['failed']}", *["-"] * 16))
+            name, origin = _name(m["workload"]), m.get("origin", "made")
+            lines.append(fmt.format(name, origin, m["impl"], f"0/{m['failed']}", *["-"] * 16))
             continue
         lines.append(
             fmt.format(
-                m["workload"],
+                _name(m["workload"]),
+                m.get("origin", "made"),
                 m["impl"],
                 f"{m['runs']}/{m['runs'] + m['failed']}",
                 f"{m['wall_s']:.1f}",
@@ -344,13 +376,18 @@ def format_table(meds: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _name(label: str) -> str:
+    """A workload's name without its origin (shown in a column of its own)."""
+    return label.split("/")[0]
+
+
 def format_ratios(meds: list[dict[str, Any]], data_s: dict[str, float]) -> str:
     """rechunk_p2p's median wall time over each other implementation's, whole and with the
     data-only time taken from both (what the rechunk itself costs)."""
     lines = [
         "rechunk_p2p / other, medians: wall time; and (wall - data only), the rechunk itself; "
         "the workers' CPU seconds",
-        f"{'workload':<18} {'other':<12} {'data s':>7} {'mine s':>7} {'other s':>7} "
+        f"{'workload':<18} {'origin':<8} {'other':<12} {'data s':>7} {'mine s':>7} {'other s':>7} "
         f"{'wall':>7} {'rechunk':>8} {'CPU':>7}",
     ]
     by = {(m["workload"], m["impl"]): m for m in meds if m["runs"]}
@@ -363,7 +400,8 @@ def format_ratios(meds: list[dict[str, Any]], data_s: dict[str, float]) -> str:
         rechunk = own / other if other > 0 else float("nan")
         cpu = mine["cpu_s"] / m["cpu_s"] if m["cpu_s"] > 0 else float("nan")
         lines.append(
-            f"{name:<18} {impl:<12} {data:7.1f} {mine['wall_s']:7.1f} {m['wall_s']:7.1f} "
+            f"{_name(name):<18} {m.get('origin', 'made'):<8} {impl:<12} {data:7.1f} "
+            f"{mine['wall_s']:7.1f} {m['wall_s']:7.1f} "
             f"{mine['wall_s'] / m['wall_s']:6.2f}x {rechunk:7.2f}x {cpu:6.2f}x"
         )
     return "\n".join(lines)
@@ -374,7 +412,9 @@ def data_only_seconds(client: Client, w: Workload, outputs: str = "persisted") -
     generating and persisting it (or generating and checking it, ``outputs="checked"``).
     The part of every implementation's wall time that is not the rechunk."""
     start = time.perf_counter()
-    x = source_array(w)
+    if w.origin == "held":  # held before the clock starts: the rechunk is all it times
+        return 0.0
+    x = input_array(replace(w, origin="made")) if w.origin == "made" else input_array(w, client)
     if outputs == "persisted":
         x = client.persist(x)
         distributed.wait(x)
@@ -385,7 +425,7 @@ def data_only_seconds(client: Client, w: Workload, outputs: str = "persisted") -
         ok = client.compute(checked(x, w)).result()
         seconds = time.perf_counter() - start
     if not ok:
-        raise AssertionError(f"{w.name}: the generated data does not check")
+        raise AssertionError(f"{w.label}: the generated data does not check")
     return seconds
 
 
@@ -399,9 +439,8 @@ def format_phases(
     """Where rechunk_p2p's time went (its own statistics) beside the machine's floor."""
     phases = ("cut", "queue_wait", "send", "store", "assemble")
     head = (
-        f"{'workload':<18} {'wall s':>7} {'data s':>7} {'floor s':>8} {'floor/wall':>10}  "
-        + " ".join(f"{p:>10}" for p in phases)
-        + f" {'other':>10}"
+        f"{'workload':<18} {'origin':<8} {'wall s':>7} {'data s':>7} {'floor s':>8} "
+        f"{'floor/wall':>10}  " + " ".join(f"{p:>10}" for p in phases) + f" {'other':>10}"
     )
     lines = [
         "rechunk_p2p per phase (median seconds, summed over workers and threads; "
@@ -411,7 +450,7 @@ def format_phases(
     ]
     threads = args.workers * args.threads
     for w in wls:
-        mine = [r for r in runs if r["workload"] == w.name and r["impl"] == "rechunk_p2p"]
+        mine = [r for r in runs if r["workload"] == w.label and r["impl"] == "rechunk_p2p"]
         mine = [r for r in mine if r.get("ok") and r.get("phases_s")]
         if not mine:
             continue
@@ -421,7 +460,7 @@ def format_phases(
         floor = floor_seconds(ref, w.nbytes, args.workers, disk)
         other = wall * threads - med["cut"] - med["queue_wait"] - med["assemble"]
         lines.append(
-            f"{w.name:<18} {wall:7.1f} {data_s.get(w.name, float('nan')):7.1f} "
+            f"{w.name:<18} {w.origin:<8} {wall:7.1f} {data_s.get(w.label, float('nan')):7.1f} "
             f"{floor:8.2f} {floor / wall:10.1%}  "
             + " ".join(f"{med[p]:10.2f}" for p in phases)
             + f" {other:10.1f}"
@@ -477,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         shared = stack.enter_context(cluster_client(args, local_dir))
         warm_up(shared, impls)
-        data_s = {w.name: data_only_seconds(shared, w, args.outputs) for w in wls}
+        data_s = {w.label: data_only_seconds(shared, w, args.outputs) for w in wls}
         meta["data_only_s"] = data_s
         if not args.reuse_cluster:
             stack.close()
@@ -489,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
                     h = headline(run) if run.get("ok") else {}
                     print(
-                        f"[{rep}] {w.name:<18} {impl:<12} "
+                        f"[{rep}] {w.label:<26} {impl:<12} "
                         + (
                             f"wall {h['wall_s']:7.1f} s  p99 {h['p99_ms']:6.1f} ms  "
                             f"max {h['max_ms']:7.1f} ms"

@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import dask.array as da
+import distributed
 import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
@@ -45,6 +47,11 @@ class Workload:
         Block shapes (regular chunking; the last block along an axis may be smaller).
     max_ms
         Bound on the worst loop lag asserted for ``rechunk_p2p``.
+    origin
+        How the input is had (:data:`ORIGINS`): ``"made"`` inside the rechunk's own tasks
+        (generated on the workers), ``"held"`` in worker memory before the clock starts (as
+        after ``persist``), or ``"derived"`` from held chunks by a reduction over all of
+        them (as anomalies are).
     """
 
     name: str
@@ -54,6 +61,12 @@ class Workload:
     source_chunks: tuple[int, ...]
     target_chunks: tuple[int, ...]
     max_ms: float = 100.0
+    origin: str = "made"
+
+    @property
+    def label(self) -> str:
+        """The name, and the origin where the input is not made inside the rechunk."""
+        return self.name if self.origin == "made" else f"{self.name}/{self.origin}"
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +89,7 @@ class Workload:
         src = format_bytes(math.prod(self.source_chunks) * item)
         dst = format_bytes(math.prod(self.target_chunks) * item)
         return (
-            f"{self.name}: {self.dtype} {self.shape} = {format_bytes(self.nbytes)}, "
+            f"{self.label}: {self.dtype} {self.shape} = {format_bytes(self.nbytes)}, "
             f"{self.n_source_chunks} chunks {self.source_chunks} ({src}) -> "
             f"{self.n_target_chunks} chunks {self.target_chunks} ({dst})"
         )
@@ -84,8 +97,19 @@ class Workload:
 
 # -- sizes --------------------------------------------------------------------------------
 
+#: How a workload's input is had (see :class:`Workload`).
+ORIGINS = ("made", "held", "derived")
+
 #: Default bytes per workload (about two minutes for the suite on two busy cores).
-DEFAULT_BYTES = {"2d": 512 * 2**20, "3d": 512 * 2**20, "many": 640 * 2**20, "2d128": 512 * 2**20}
+DEFAULT_BYTES = {
+    "2d": 512 * 2**20,
+    "3d": 512 * 2**20,
+    "many": 640 * 2**20,
+    "2d128": 512 * 2**20,
+    "thin1": 512 * 2**20,
+    "thin4": 512 * 2**20,
+    "thin16": 512 * 2**20,
+}
 
 
 def size_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:
@@ -152,6 +176,21 @@ def many_small(nbytes: int) -> Workload:
         (32, 256),
         (256, 32),
         max_ms=200.0,
+    )
+
+
+def thin_rows(nbytes: int, rows: int) -> Workload:
+    """(e) 2-D float64 of 8,192 columns in chunks of ``rows`` rows -> column strips of 4
+    columns (all rows): one input chunk's shards are 32-byte pieces of a row per row."""
+    cols = 8192
+    n = max(rows * 16, round(nbytes / (8 * cols) / rows) * rows)
+    return Workload(
+        f"thin-{rows}-rows",
+        f"2-D float64, chunks of {rows} rows -> column strips of 4 columns",
+        (n, cols),
+        "float64",
+        (rows, cols),
+        (n, 4),
     )
 
 
@@ -229,6 +268,25 @@ def source_array(w: Workload) -> da.Array:
     )
 
 
+def input_array(w: Workload, client: Any = None) -> da.Array:
+    """The workload's input as its origin has it: made inside the rechunk's tasks; held in
+    worker memory (persisted on ``client`` here, before any clock starts); or derived from
+    held chunks by a reduction over all of them (``x - m + m`` with ``m`` the minimum along
+    the first axis: every chunk is computed from its held chunk and from all the others,
+    and the values stay exact)."""
+    x = source_array(w)
+    if w.origin == "made":
+        return x
+    if client is None:
+        raise ValueError(f"a {w.origin!r} input needs a client to hold it")
+    x = client.persist(x)
+    distributed.wait(x)
+    if w.origin == "held":
+        return x
+    m = x.min(axis=0, keepdims=True)
+    return x - m + m
+
+
 def checked(y: da.Array, w: Workload) -> da.Array:
     """A 0-d boolean array: every output chunk of ``y`` holds exactly the right values."""
     flags = y.map_blocks(check_block_blocking, w.shape, w.dtype, dtype=bool, chunks=(1,) * y.ndim)
@@ -251,9 +309,12 @@ def rechunk_with(implementation: str, x: da.Array, chunks: tuple[int, ...]) -> d
     raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
 
 
-def workload_graph(implementation: str, w: Workload) -> tuple[da.Array, da.Array]:
-    """``(rechunked array, its 0-d check)`` for one workload and implementation."""
-    y = rechunk_with(implementation, source_array(w), w.target_chunks)
+def workload_graph(
+    implementation: str, w: Workload, x: da.Array | None = None
+) -> tuple[da.Array, da.Array]:
+    """``(rechunked array, its 0-d check)`` for one workload and implementation; ``x``: the
+    input (:func:`input_array`; default: made inside the rechunk)."""
+    y = rechunk_with(implementation, source_array(w) if x is None else x, w.target_chunks)
     want = da.core.normalize_chunks(w.target_chunks, w.shape)
     if y.chunks != want:
         raise AssertionError(f"{implementation} produced chunks {y.chunks}, expected {want}")
