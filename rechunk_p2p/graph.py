@@ -41,22 +41,12 @@ from rechunk_p2p.sources import InputSources
 from rechunk_p2p.spec import (
     JOINED_PREFIX,
     OUTPUT_PREFIX,
-    START_PREFIX,
     ShuffleId,
     ShuffleSpec,
     barrier_key,
     transfer_name,
     widen,
 )
-
-#: Inputs x outputs of a sub-shuffle from which its transfers of inputs computed elsewhere
-#: (held, persisted, derived) wait for one tiny start task. The scheduler orders every graph
-#: it receives (``dask.order``), and for each output that order walks every task without
-#: dependencies connected to it: a barrier's outputs are connected to all its transfers, and
-#: transfers that read a held chunk have no dependency inside the graph, so that walk was
-#: outputs x transfers steps (14.5 s for 16,384 thin rows into 2,048 column strips). With
-#: the start task as their one dependency inside the graph, the walk is one step per output.
-_ORDER_PAIRS = 1 << 16
 
 
 class BarrierTask(Task):
@@ -255,11 +245,6 @@ class RechunkLayer(Layer):
         )
         dsk: dict[Any, Any] = {}
         transfers = []
-        after: tuple[TaskRef, ...] = ()
-        if self.sources is None and len(spec.inputs) * len(spec.outputs) >= _ORDER_PAIRS:
-            start = START_PREFIX + shuffle_id
-            dsk[start] = Task(start, tasks.start, shuffle_id)
-            after = (TaskRef(start),)
         for flat in spec.inputs:
             index = partial.input_index(flat)
             key = (transfers_name, *index)
@@ -268,9 +253,7 @@ class RechunkLayer(Layer):
             else:
                 source = self._joined(index)  # made inside the transfer
             producer = isinstance(source, GraphNode) and source.data_producer
-            dsk[key] = Task(
-                key, tasks.transfer, source, shuffle_id, flat, *after, _data_producer=producer
-            )
+            dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat, _data_producer=producer)
             transfers.append(TaskRef(key))
         bkey = barrier_key(shuffle_id)
         dsk[bkey] = BarrierTask(bkey, tasks.barrier, shuffle_id, *transfers, spec=spec)

@@ -21,7 +21,7 @@ from rechunk_p2p.spec import RunId, ShuffleId, ShuffleSpec
 if TYPE_CHECKING:
     from rechunk_p2p.buffers.joined import JoinedBlocks
 
-__all__ = ["assemble", "barrier", "empty", "join", "made", "start", "transfer", "unpack"]
+__all__ = ["assemble", "barrier", "empty", "join", "made", "transfer", "unpack"]
 
 
 def _worker() -> Any:
@@ -40,20 +40,13 @@ def _plugin(worker: Any) -> Any:
     return plugin_for_task(worker)
 
 
-def start(shuffle_id: ShuffleId) -> ShuffleId:
-    """Nothing to do: the one dependency inside the graph of the transfers of a large
-    sub-shuffle whose inputs are computed elsewhere (see ``graph._ORDER_PAIRS``)."""
-    return shuffle_id
-
-
 def transfer(
-    data: np.ndarray | JoinedBlocks, shuffle_id: ShuffleId, flat: int, *after: object
+    data: np.ndarray | JoinedBlocks, shuffle_id: ShuffleId, flat: int
 ) -> RunId | LocalInput:
     """Cut input chunk ``flat`` into shards and send each to the worker of its output chunk.
 
     Returns the run id, which the barrier checks for consistency (without distributed
-    workers: the chunk itself, as a :class:`LocalInput`). ``after``: results of tasks it
-    waits for and does not use (:func:`start`).
+    workers: the chunk itself, as a :class:`LocalInput`).
     """
     worker = _worker()
     if worker is None:
