@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,10 @@ from integration.lag_bounds import LagBounds, strict_from_env, violations
 from integration.workloads import (
     Workload,
     all_workloads,
+    input_array,
     many_small,
     rows_to_columns,
+    thin_rows,
     workload_graph,
 )
 from rechunk_p2p.diagnostics import measure_event_loops
@@ -72,6 +75,30 @@ def test_loop_stays_responsive(client: Client, name: str) -> None:
     assert not broken, "\n".join([*broken, str(report)])
     # Nothing left on the cluster once the result is released.
     del ok
+    deadline = time.monotonic() + 10
+    while any(_workers_hold_nothing(client).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_workers_hold_nothing(client).values())
+
+
+@pytest.mark.timeout(int(TIMEOUT_S + 120))
+@pytest.mark.parametrize("origin", ["held", "derived"])
+def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) -> None:
+    """Held and derived inputs of many thin chunks: 1,024 one-row chunks already in worker
+    memory (or computed from them and a reduction over all of them) into 2,048 column
+    strips, two million shards of 32 bytes: right values, bounded loop lag, nothing left."""
+    w = replace(thin_rows(64 * 2**20, 1), origin=origin, max_ms=200.0)
+    assert w.n_source_chunks == 1024 and w.n_target_chunks == 2048
+    x = input_array(w, client)
+    _, ok = workload_graph("rechunk_p2p", w, x)
+    with measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe:
+        result = client.compute(ok).result(timeout=TIMEOUT_S)
+    report = probe.report
+    print(f"\n{w.summary()}\n{report}")
+    assert result, f"{w.label}: some output chunk does not hold the values it should"
+    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
+    assert not broken, "\n".join([*broken, str(report)])
+    del ok, x
     deadline = time.monotonic() + 10
     while any(_workers_hold_nothing(client).values()) and time.monotonic() < deadline:
         time.sleep(0.1)

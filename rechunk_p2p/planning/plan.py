@@ -15,6 +15,7 @@ from dask.utils import format_bytes
 
 from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.planning.axes import AxisGroup, Chunks, axis_groups, axis_pieces, element_bytes
+from rechunk_p2p.planning.cost import CostEstimate, estimate, piece_advice
 from rechunk_p2p.planning.groups import Groups, grouped_chunks
 from rechunk_p2p.planning.partials import Partial
 
@@ -299,6 +300,7 @@ class RechunkPlan:
                 f"{self.n_input_chunks} -> {self.n_output_chunks} ({self.n_shards} pieces)",
             ),
             *self._group_rows(),
+            *self._piece_rows(),
             ("partials", f"{self.n_partials} ({self.n_shuffles} shuffled)"),
             ("tasks", f"{self.n_tasks}"),
             (
@@ -313,6 +315,43 @@ class RechunkPlan:
                 f"output chunk {format_bytes(self.largest_output_chunk_bytes)}",
             ),
         ]
+
+    @property
+    def cost(self) -> CostEstimate:
+        """Estimated seconds by kind of cost (see :mod:`rechunk_p2p.planning.cost`)."""
+        return estimate(self.n_tasks, self.n_shards, self.bytes_shuffled)
+
+    @property
+    def warning(self) -> str | None:
+        """One line when per-piece cost dominates the estimate, naming what helps."""
+        cost = self.cost
+        if cost.dominant != "pieces" or self.n_shards == 0:
+            return None
+        size = format_bytes(self.bytes_shuffled // self.n_shards)
+        return (
+            f"per-piece cost dominates ({self.n_shards:,} pieces of {size} on average): "
+            f"{piece_advice(self.input_chunks, self.new_chunks)} make fewer, larger pieces"
+        )
+
+    def _piece_rows(self) -> list[tuple[str, str]]:
+        if not self.n_shards:
+            return []
+        cost = self.cost
+        per_output = self.n_shards / max(self.n_output_chunks, 1)
+        rows = [
+            (
+                "pieces",
+                f"{per_output:,.0f} per output chunk, "
+                f"{format_bytes(self.bytes_shuffled // self.n_shards)} each on average",
+            ),
+            (
+                "cost",
+                f"~{cost.total:.1f} s of CPU estimated: tasks {cost.tasks:.1f} s, pieces "
+                f"{cost.pieces:.1f} s, bytes {cost.bytes:.1f} s",
+            ),
+        ]
+        warning = self.warning
+        return [*rows, ("warning", warning)] if warning else rows
 
     def _group_rows(self) -> list[tuple[str, str]]:
         if self.groups is None:
