@@ -13,9 +13,11 @@ from integration import bench
 
 def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--size", "8MiB", "--repeat", "1", "--workloads", "2d", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0
+    assert bench.main(argv) == 0  # (origins made and held, the default)
     doc = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["impl"] for r in doc["runs"]] == ["rechunk_p2p", "dask-p2p", "dask-tasks"]
+    assert [r["impl"] for r in doc["runs"]] == ["rechunk_p2p", "dask-p2p", "dask-tasks"] * 2
+    assert [r["origin"] for r in doc["runs"]] == ["made"] * 3 + ["held"] * 3
+    assert [r["workload"] for r in doc["runs"][::3]] == ["2d-rows-to-cols", "2d-rows-to-cols/held"]
     assert all(r["ok"] for r in doc["runs"]), [r.get("error") for r in doc["runs"]]
     for r in doc["runs"]:
         assert r["wall_s"] > 0
@@ -28,16 +30,18 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         {a: d for a, d in r["lag"]["distributed"].items() if d["server_type"] != "Scheduler"}
         for r in doc["runs"]
     ]
-    assert len({frozenset(w) for w in workers}) == 3, workers  # a fresh cluster per run
+    assert len({frozenset(w) for w in workers}) == 6, workers  # a fresh cluster per run
     # distributed's "unresponsive" threshold on the workers is the benchmark's 200 ms
     assert {d["tick_limit_s"] for w in workers for d in w.values()} == {0.2}
     assert min(doc["meta"]["reference"].values()) > 0  # the machine's bandwidths
     assert doc["meta"]["data_only_s"]["2d-rows-to-cols"] > 0
+    assert doc["meta"]["data_only_s"]["2d-rows-to-cols/held"] == 0  # held before the clock
     engine = doc["runs"][0]["phases_s"]
     assert engine["cut"] > 0 and engine["assemble"] > 0, engine
     assert doc["runs"][1]["phases_s"] is None  # dask's own methods have no engine phases
     out = capsys.readouterr().out
     assert "2d-rows-to-cols" in out and "wall s" in out
+    assert any(line.split()[:2] == ["2d-rows-to-cols", "held"] for line in out.splitlines())
     assert "rechunk_p2p per phase" in out and "floor/wall" in out
     assert "rechunk_p2p / other" in out and "dask-tasks" in out.split("rechunk_p2p / other")[1]
     ratios = out.split("rechunk_p2p / other")[1].splitlines()

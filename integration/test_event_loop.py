@@ -90,7 +90,7 @@ def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) ->
     w = replace(thin_rows(64 * 2**20, 1), origin=origin, max_ms=200.0)
     assert w.n_source_chunks == 1024 and w.n_target_chunks == 2048
     x = input_array(w, client)
-    _, ok = workload_graph("rechunk_p2p", w, x)
+    y, ok = workload_graph("rechunk_p2p", w, x)
     with measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe:
         result = client.compute(ok).result(timeout=TIMEOUT_S)
     report = probe.report
@@ -98,7 +98,7 @@ def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) ->
     assert result, f"{w.label}: some output chunk does not hold the values it should"
     broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
     assert not broken, "\n".join([*broken, str(report)])
-    del ok, x
+    del y, ok, x  # (the held chunks too)
     deadline = time.monotonic() + 10
     while any(_workers_hold_nothing(client).values()) and time.monotonic() < deadline:
         time.sleep(0.1)

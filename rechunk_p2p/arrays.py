@@ -23,6 +23,7 @@ from rechunk_p2p import config
 from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
+from rechunk_p2p.holders import find_held
 from rechunk_p2p.planning import RechunkPlan
 from rechunk_p2p.planning.axes import Chunks, element_bytes
 from rechunk_p2p.planning.groups import transfer_groups
@@ -54,8 +55,17 @@ def rechunk_array(
         from rechunk_p2p.integrations.array_expr import p2p_rechunk_expr
 
         return p2p_rechunk_expr(x, the_plan, token, storage, new, unknown)
+    held = find_held(x) if sources is None and not unknown else None
     return build_rechunk(
-        x, the_plan, token, storage, new_chunks=new, unknown_axes=unknown, sources=sources
+        x,
+        the_plan,
+        token,
+        storage,
+        new_chunks=new,
+        unknown_axes=unknown,
+        sources=sources,
+        held=held,
+        group_bytes=config.get_bytes("transfer-group-bytes"),
     )
 
 

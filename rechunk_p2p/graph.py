@@ -26,6 +26,7 @@ import bisect
 import hashlib
 import itertools
 from collections.abc import Collection, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import dask.array as da
@@ -35,6 +36,7 @@ from dask.highlevelgraph import HighLevelGraph, Layer
 
 from rechunk_p2p import tasks
 from rechunk_p2p.errors import RechunkInputError
+from rechunk_p2p.holders import HeldChunks, held_transfers
 from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.planning.groups import group_members
 from rechunk_p2p.sources import InputSources
@@ -105,6 +107,9 @@ class RechunkLayer(Layer):
     sources
         The tasks that make the input's chunks; required when the plan joins input chunks
         (``plan.groups``), and only used then.
+    held
+        Where the chunks of a held input sit (:func:`rechunk_p2p.holders.find_held`): one
+        transfer task then cuts several chunks of one worker, up to ``group_bytes``.
     """
 
     def __init__(
@@ -118,6 +123,8 @@ class RechunkLayer(Layer):
         keep: frozenset[tuple[int, ...]] | None = None,
         annotations: Mapping[str, Any] | None = None,
         sources: InputSources | None = None,
+        held: HeldChunks | None = None,
+        group_bytes: int = 0,
     ) -> None:
         super().__init__(annotations=annotations)
         if plan.groups is not None and sources is None:
@@ -132,6 +139,8 @@ class RechunkLayer(Layer):
         self.unknown_axes = unknown_axes
         self.keep = keep
         self.sources = sources if plan.groups is not None else None
+        self.held = held if self.sources is None and not unknown_axes else None
+        self.group_bytes = group_bytes
         self._members: list[tuple[range, ...]] | None = None  # per axis, of each group
         self._graph: dict[Any, Any] | None = None
 
@@ -178,6 +187,8 @@ class RechunkLayer(Layer):
                 wanted,
                 self.annotations,
                 self.sources,
+                self.held,
+                self.group_bytes,
             )
         deps = {key: set(task.dependencies) for key, task in layer._dict.items()}
         return layer, deps
@@ -243,6 +254,10 @@ class RechunkLayer(Layer):
             unknown_axes=self.unknown_axes,
             send_buffer_bytes=self.plan.send_buffer_bytes,
         )
+        groups = self._held_groups(spec)
+        if groups is not None:
+            spec = replace(spec, transfer_groups=groups)
+            return self._grouped_tasks(spec, transfers_name)
         dsk: dict[Any, Any] = {}
         transfers = []
         for flat in spec.inputs:
@@ -255,12 +270,43 @@ class RechunkLayer(Layer):
             producer = isinstance(source, GraphNode) and source.data_producer
             dsk[key] = Task(key, tasks.transfer, source, shuffle_id, flat, _data_producer=producer)
             transfers.append(TaskRef(key))
-        bkey = barrier_key(shuffle_id)
-        dsk[bkey] = BarrierTask(bkey, tasks.barrier, shuffle_id, *transfers, spec=spec)
+        return self._barrier_and_outputs(dsk, spec, transfers)
+
+    def _barrier_and_outputs(
+        self, dsk: dict[Any, Any], spec: ShuffleSpec, transfers: list[TaskRef]
+    ) -> dict[Any, Any]:
+        """``dsk`` with the barrier of ``spec`` over ``transfers`` and its unpack tasks."""
+        bkey = barrier_key(spec.shuffle_id)
+        dsk[bkey] = BarrierTask(bkey, tasks.barrier, spec.shuffle_id, *transfers, spec=spec)
         for flat in spec.outputs:
             key = spec.output_key(flat)
-            dsk[key] = UnpackTask(key, tasks.unpack, shuffle_id, flat, TaskRef(bkey), key)
+            dsk[key] = UnpackTask(key, tasks.unpack, spec.shuffle_id, flat, TaskRef(bkey), key)
         return dsk
+
+    def _held_groups(self, spec: ShuffleSpec) -> tuple[tuple[int, ...], ...] | None:
+        """The held inputs of ``spec`` that share a transfer task, if any do."""
+        if self.held is None or self.group_bytes <= 0:
+            return None
+        partial = spec.partial
+        chunk = max(self.plan.largest_input_chunk_bytes, 1)
+        where = [self.held.where.get(partial.input_index(i)) for i in spec.inputs]
+        groups = held_transfers(spec.inputs, where, self.group_bytes // chunk, self.held.threads)
+        return groups if len(groups) < len(spec.inputs) else None
+
+    def _grouped_tasks(self, spec: ShuffleSpec, name: str) -> dict[Any, Any]:
+        """One transfer task per group of held inputs (``spec.transfer_groups``)."""
+        assert spec.transfer_groups is not None
+        # (named after the groups: a graph built when the chunks sat elsewhere differs)
+        digest = hashlib.sha1(repr(spec.transfer_groups).encode(), usedforsecurity=False)
+        name = f"{name}-{digest.hexdigest()[:12]}"
+        dsk: dict[Any, Any] = {}
+        transfers = []
+        for g, flats in enumerate(spec.transfer_groups):
+            key = (name, g)
+            refs = [TaskRef((self.input_name, *spec.partial.input_index(f))) for f in flats]
+            dsk[key] = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs)
+            transfers.append(TaskRef(key))
+        return self._barrier_and_outputs(dsk, spec, transfers)
 
     def _direct_tasks(self, partial: Partial, keep: frozenset[int] | None) -> dict[Any, Any]:
         dsk: dict[Any, Any] = {}
@@ -323,6 +369,8 @@ def build_rechunk(
     new_chunks: tuple[tuple[float, ...], ...] | None = None,
     unknown_axes: tuple[int, ...] = (),
     sources: InputSources | None = None,
+    held: HeldChunks | None = None,
+    group_bytes: int = 0,
 ) -> da.Array:
     """The dask array that is ``x`` rechunked to ``plan.new_chunks`` through P2P shuffles.
 
@@ -330,9 +378,21 @@ def build_rechunk(
     along ``unknown_axes``, which the plan counts as one element per chunk). ``sources``: the
     tasks that make ``x``'s chunks, required when the plan joins them; the graph then holds
     those tasks inside its own and depends only on the values they share, not on ``x``.
+    ``held``: where a held input's chunks sit; a transfer task then cuts several chunks of
+    one worker, up to ``group_bytes``.
     """
     name = OUTPUT_PREFIX + token
-    layer = RechunkLayer(name, x.name, plan, token, storage, unknown_axes, sources=sources)
+    layer = RechunkLayer(
+        name,
+        x.name,
+        plan,
+        token,
+        storage,
+        unknown_axes,
+        sources=sources,
+        held=held,
+        group_bytes=group_bytes,
+    )
     if layer.sources is not None:
         shared = dict(layer.sources.shared)
         graph = HighLevelGraph(

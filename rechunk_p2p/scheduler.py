@@ -265,7 +265,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     async def barrier(self, shuffle_id: ShuffleId, run_ids: list[RunId]) -> dict:
         """Every input of the run was cut: make every participant flush its sends.
 
-        ``run_ids`` are the transfers' results in the order of the spec's inputs. Transfers
+        ``run_ids`` are the transfers' results in the order of ``spec.transfers``. Transfers
         that ran for an older run (they finished while the run was restarted) sent their shards
         to a run that is gone: they are run again for the current run, and the barrier with
         them. Replies ``{"run_id": ...}``, or ``{"restarted": True}`` when the barrier must be
@@ -345,13 +345,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             self._restart(shuffle_id, stimulus_id)
             return
         spec = run.run_spec.spec
-        deps = {_transfer_key(dt.key, spec): dt for dt in barrier.dependencies}
-        recs = {
-            ts.key: "released"
-            for i in stale
-            if spec.inputs[i] in deps
-            for ts in _transfer_chain(deps[spec.inputs[i]])
-        }
+        deps = {spec.transfer_of(dt.key): dt for dt in barrier.dependencies}
+        recs = {ts.key: "released" for i in stale if i in deps for ts in _transfer_chain(deps[i])}
         recs[barrier.key] = "released"
         logger.info(
             "Rechunk %s: %d transfers ran for an older run; running them for run %d",
@@ -587,7 +582,9 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             return frozenset()
         spec = run.run_spec
         chains = {
-            _transfer_key(dt.key, spec.spec): _transfer_chain(dt) for dt in barrier.dependencies
+            i: _transfer_chain(dt)
+            for dt in barrier.dependencies
+            for i in spec.spec.transfers[spec.spec.transfer_of(dt.key)]
         }
         lost = set()
         for i in spec.spec.inputs:
@@ -805,8 +802,3 @@ def _transfer_chain(dependency: Any) -> list[Any]:
 
 def _key_name(key: Any) -> str:
     return key[0] if isinstance(key, tuple) else str(key)
-
-
-def _transfer_key(key: Any, spec: ShuffleSpec) -> int:
-    """The flat input index of a transfer task's key."""
-    return spec.partial.flat_input(tuple(key[1:]))

@@ -7,6 +7,7 @@ workers) for every attempt to run it.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NewType
@@ -117,6 +118,10 @@ class ShuffleSpec:
         Bytes of this sub-shuffle's shards a worker may hold queued for sending (a memory
         budget such as ``rechunk_zarr``'s ``max_mem``), on top of the worker's own
         ``comm.buffer-bytes-limit``; ``None``: that limit alone.
+    transfer_groups
+        The inputs each transfer task cuts, in the order of the barrier's dependencies, where
+        one task cuts several held chunks (:mod:`rechunk_p2p.holders`; its key is
+        ``(name, group index)``); ``None``: one transfer an input (key ``(name, *index)``).
     """
 
     shuffle_id: ShuffleId
@@ -127,6 +132,7 @@ class ShuffleSpec:
     keep: frozenset[int] | None = None
     unknown_axes: tuple[int, ...] = ()
     send_buffer_bytes: int | None = None
+    transfer_groups: tuple[tuple[int, ...], ...] | None = None
 
     def output_key(self, flat: int) -> tuple:
         """The key of the unpack task of output ``flat``."""
@@ -146,6 +152,19 @@ class ShuffleSpec:
             return tuple(range(self.partial.n_inputs))
         needed = {i for out in self.keep for i, _ in self.partial.shards_of_output(out)}
         return tuple(sorted(needed))
+
+    @cached_property
+    def transfers(self) -> tuple[tuple[int, ...], ...]:
+        """The inputs of each transfer task, in the order of the barrier's dependencies."""
+        if self.transfer_groups is not None:
+            return self.transfer_groups
+        return tuple((i,) for i in self.inputs)
+
+    def transfer_of(self, key: tuple) -> int:
+        """The position among :attr:`transfers` of the transfer task of ``key``."""
+        if self.transfer_groups is not None:
+            return int(key[-1])
+        return bisect.bisect_left(self.inputs, self.partial.flat_input(tuple(key[1:])))
 
     @cached_property
     def _rank(self) -> dict[int, int] | None:

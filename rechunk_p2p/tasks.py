@@ -21,7 +21,16 @@ from rechunk_p2p.spec import RunId, ShuffleId, ShuffleSpec
 if TYPE_CHECKING:
     from rechunk_p2p.buffers.joined import JoinedBlocks
 
-__all__ = ["assemble", "barrier", "empty", "join", "made", "transfer", "unpack"]
+__all__ = [
+    "assemble",
+    "barrier",
+    "empty",
+    "join",
+    "made",
+    "transfer",
+    "transfer_group",
+    "unpack",
+]
 
 
 def _worker() -> Any:
@@ -54,6 +63,18 @@ def transfer(
     return _plugin(worker).transfer_blocking(shuffle_id, flat, data)
 
 
+def transfer_group(
+    shuffle_id: ShuffleId, flats: tuple[int, ...], *chunks: np.ndarray
+) -> RunId | tuple[LocalInput, ...]:
+    """Cut held input chunks ``flats`` (``chunks``, in that order), which sit on one worker,
+    as :func:`transfer` cuts one; the oldest run id any was cut for (without distributed
+    workers: the chunks, as :class:`LocalInput` s)."""
+    worker = _worker()
+    if worker is None:
+        return tuple(LocalInput(f, np.asarray(c)) for f, c in zip(flats, chunks))
+    return _plugin(worker).transfer_group_blocking(shuffle_id, flats, chunks)
+
+
 def barrier(
     shuffle_id: ShuffleId, *run_ids: RunId | LocalInput, spec: ShuffleSpec | None = None
 ) -> RunId | LocalShuffle:
@@ -62,8 +83,9 @@ def barrier(
     Without distributed workers, gather the transfers' :class:`LocalInput` s (``spec``
     describes the sub-shuffle) into a :class:`LocalShuffle` instead.
     """
-    if any(isinstance(r, LocalInput) for r in run_ids):
-        return gather_local(spec, run_ids)
+    if any(isinstance(r, (LocalInput, tuple)) for r in run_ids):
+        parts = [p for r in run_ids for p in (r if isinstance(r, tuple) else (r,))]
+        return gather_local(spec, tuple(parts))
     return _plugin(_worker()).barrier_blocking(shuffle_id, run_ids)
 
 

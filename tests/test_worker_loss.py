@@ -18,7 +18,7 @@ import time
 import dask.array as da
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 import rechunk_p2p
 from integration.workloads import checked, expected_block
@@ -143,18 +143,45 @@ def _stretch_unpacks() -> None:
     RechunkWorkerPlugin.unpack_blocking = slow_unpack
 
 
-def _kill_during(client, phase: str, seed: int, rows: int = 20) -> dict:
+def _stretch_held_transfers() -> None:
+    """In a worker process: each held chunk a grouped transfer cuts takes 20 ms longer (as
+    :func:`_slow_fill` stretches made chunks), so that a kill seen in the transfer phase
+    lands in it."""
+    from rechunk_p2p.worker.plugin import RechunkWorkerPlugin
+
+    group = RechunkWorkerPlugin.transfer_group_blocking
+    if getattr(group, "stretched", False):
+        return
+
+    def slow_group(self, shuffle_id, flats, chunks):
+        time.sleep(0.02 * len(flats))
+        return group(self, shuffle_id, flats, chunks)
+
+    slow_group.stretched = True
+    RechunkWorkerPlugin.transfer_group_blocking = slow_group
+
+
+def _kill_during(client, phase: str, seed: int, rows: int = 20, held: bool = False) -> dict:
     """Kill a worker in ``phase`` of a rechunk of inputs of ``rows`` rows (20: one transfer
-    each; 5: three joined in each transfer); the scheduler plugin's counters after it."""
+    each; 5: three joined in each transfer; ``held``: persisted first, several chunks of one
+    worker in each transfer); the scheduler plugin's counters after it."""
     if phase == "unpack":
         client.run(_stretch_unpacks)
     pids = _pids(client)  # before: a round trip less between seeing the phase and the kill
     x = _source(seed, rows)
+    if held:
+        client.run(_stretch_held_transfers)
+        x = client.persist(x)
+        wait(x)
     # bystander: fewer output chunks than workers, so one worker owns none
     target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
     joined = rechunk_p2p.plan(x, target, n_workers=3).groups
-    assert (joined is not None) == (rows == JOINED_ROWS), joined
+    assert (joined is not None) == (rows == JOINED_ROWS and not held), joined
     y = rechunk_p2p.rechunk(x, target)
+    if held:
+        barrier = next(k for k in y.__dask_graph__() if str(k).startswith("rechunk_p2p-barrier"))
+        groups = y.__dask_graph__()[barrier].spec.transfer_groups
+        assert groups is not None and len(groups) < 240, groups
     if phase == "unpack":
         y = y.map_blocks(_slow_check_input, meta=np.empty((0, 0), DTYPE))
     ok = checked(y, _workload_like())
@@ -182,19 +209,27 @@ def _workload_like():
     return Workload("kill", "kill test", SHAPE, DTYPE, (20, SHAPE[1]), (SHAPE[0], 50))
 
 
-@pytest.mark.parametrize("rows", [20, JOINED_ROWS], ids=["one-chunk-transfers", "joined"])
+_INPUTS = pytest.mark.parametrize(
+    ("rows", "held"),
+    [(20, False), (JOINED_ROWS, False), (JOINED_ROWS, True)],
+    ids=["one-chunk-transfers", "joined", "held-groups"],
+)
+
+
+@_INPUTS
 @pytest.mark.parametrize("phase", PHASES)
-def test_worker_killed_once(phase, rows):
+def test_worker_killed_once(phase, rows, held):
     with _cluster() as client:
-        _check_counters(phase, _kill_during(client, phase, seed=0, rows=rows))
+        _check_counters(phase, _kill_during(client, phase, seed=0, rows=rows, held=held))
         assert_clean_sync(client, timeout=30)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", [20, JOINED_ROWS], ids=["one-chunk-transfers", "joined"])
+@_INPUTS
 @pytest.mark.parametrize("phase", PHASES)
-def test_worker_killed_ten_times(phase, rows):
+def test_worker_killed_ten_times(phase, rows, held):
     for seed in range(10):
         with _cluster() as client:
-            _check_counters(phase, _kill_during(client, phase, seed=seed + 1, rows=rows))
+            counters = _kill_during(client, phase, seed=seed + 1, rows=rows, held=held)
+            _check_counters(phase, counters)
             assert_clean_sync(client, timeout=30)

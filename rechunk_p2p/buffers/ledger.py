@@ -101,6 +101,9 @@ def _runs(sorted_unique: np.ndarray) -> tuple[list[int], list[int]]:
     """
     if not len(sorted_unique):
         return [], []
+    first, last = int(sorted_unique[0]), int(sorted_unique[-1])
+    if last - first == len(sorted_unique) - 1:  # one run (the usual batch)
+        return [first], [last + 1]
     breaks = np.flatnonzero(np.diff(sorted_unique) != 1) + 1
     starts = sorted_unique[np.concatenate(([0], breaks))]
     ends = sorted_unique[np.concatenate((breaks - 1, [len(sorted_unique) - 1]))] + 1

@@ -196,11 +196,21 @@ class Partial:
 
     @cached_property
     def _cuts_by_old(self) -> tuple[dict[int, tuple[list[int], list[slice]]], ...]:
-        """Per axis: old chunk index -> (new chunk indices, slices of the old chunk)."""
-        return tuple(
-            {k: ([p.new for p in v], [p.old_slice for p in v]) for k, v in by_old.items()}
-            for by_old in self._by_old
-        )
+        """Per axis: old chunk index -> (new chunk indices, slices of the old chunk). Equal
+        lists of new chunk indices are one list (:meth:`input_outputs` names a cut by them)."""
+        out = []
+        for by_old in self._by_old:
+            interned: dict[tuple[int, ...], list[int]] = {}
+            out.append(
+                {
+                    k: (
+                        interned.setdefault(tuple(p.new for p in v), [p.new for p in v]),
+                        [p.old_slice for p in v],
+                    )
+                    for k, v in by_old.items()
+                }
+            )
+        return tuple(out)
 
     @cached_property
     def _cuts_by_new(self) -> tuple[dict[int, tuple[list[int], list[slice]]], ...]:
@@ -244,6 +254,31 @@ class Partial:
         """
         local = _unravel(flat, self.old_grid)
         return [by_old.get(i) for by_old, i in zip(self._cut_lengths_by_old, local)]
+
+    @cached_property
+    def _outputs_by_cut(self) -> dict[tuple[int, ...], np.ndarray]:
+        return {}
+
+    def input_outputs(self, flat: int) -> np.ndarray:
+        """Flat indices of the outputs input chunk ``flat`` has a piece of, in C order
+        (:meth:`flat_outputs` of its cut): one read-only array shared by the inputs cut
+        alike (every row of rows into column strips), computed once.
+
+        >>> p = Partial((0, 0), (0, 0), (0, 0), ((1, 1), (4,)), ((2,), (2, 2)))
+        >>> p.input_outputs(1).tolist(), p.input_outputs(0) is p.input_outputs(1)
+        ([0, 1], True)
+        """
+        indices, _ = self.input_cuts(flat)
+        if not all(indices):
+            return np.zeros(0, dtype=np.int64)
+        # the lists live in _cuts_by_old as long as the partial: their ids name the cut
+        key = tuple(map(id, indices))
+        outputs = self._outputs_by_cut.get(key)
+        if outputs is None:
+            outputs = self.flat_outputs(indices)
+            outputs.flags.writeable = False
+            outputs = self._outputs_by_cut.setdefault(key, outputs)
+        return outputs
 
     def flat_outputs(self, indices: list[list[int]]) -> np.ndarray:
         """Flat output indices of every combination of one new chunk index per axis, in C order.

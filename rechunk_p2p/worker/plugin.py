@@ -493,10 +493,18 @@ class RechunkWorkerPlugin(WorkerPlugin):
         """From a transfer task: cut input ``flat`` into shards and send them; its run id."""
         return self.get_run_blocking(shuffle_id).add_input_blocking(flat, data)
 
+    def transfer_group_blocking(
+        self, shuffle_id: ShuffleId, flats: tuple[int, ...], chunks: tuple[Any, ...]
+    ) -> int:
+        """From a transfer task of several held inputs: cut each in turn; the oldest run id
+        any of them was cut for (the barrier runs the task again if that run was replaced)."""
+        run = self.get_run_blocking(shuffle_id)
+        return min(run.add_input_blocking(flat, data) for flat, data in zip(flats, chunks))
+
     def barrier_blocking(self, shuffle_id: ShuffleId, run_ids: tuple[RunId, ...]) -> int:
         """From the barrier task: make every worker flush its sends; the run id.
 
-        ``run_ids`` are the transfers' results, in the order of the spec's inputs. When some
+        ``run_ids`` are the transfers' results, in the order of ``spec.transfers``. When some
         belong to an older run (a transfer that ran while the run was restarted), the scheduler
         re-runs those transfers (or restarts the rechunk) and this task is rescheduled.
         """

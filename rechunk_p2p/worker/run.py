@@ -183,6 +183,8 @@ class WorkerRun:
         # again about two inputs later, when that input's batches were delivered); the idle
         # ones stay within the worker's send buffer (comm.buffer-bytes-limit)
         self._cuts = CutBuffers(max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit)
+        # (id of an outputs array, run id) -> (the array, its destinations): see _destinations
+        self._sends: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -298,21 +300,20 @@ class WorkerRun:
         is given (the assembling store copies them into their outputs at once).
         """
         spec = run_spec.spec
-        indices, slices = spec.partial.input_cuts(flat)
+        _, slices = spec.partial.input_cuts(flat)
         slices = [[slice(None)] if a in spec.unknown_axes else s for a, s in enumerate(slices)]
-        outputs = spec.partial.flat_outputs(indices)
-        positions = run_spec.send_positions(flat, outputs)
+        outputs = spec.partial.input_outputs(flat)
         me = self._position_in(run_spec)
         lengths = spec.partial.input_cut_lengths(flat)
         blocks = cut_regular_blocking(data, slices, spec.dtype, out=scratch, lengths=lengths)
         if blocks is None:
             data = np.asarray(data)
+            positions = run_spec.send_positions(flat, outputs)
             return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
         local: list[Shard] = []
         here: Packed | None = None
         remote: dict[str, Packed] = {}
-        for position in np.unique(positions[positions >= 0]).tolist():
-            chosen = np.flatnonzero(positions == position)
+        for position, chosen in self._destinations(run_spec, flat, outputs):
             lo, hi = int(chosen[0]), int(chosen[-1]) + 1
             part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
             if position != me:
@@ -328,6 +329,29 @@ class WorkerRun:
             else:  # stored as one batch, as a received one is
                 here = pack_blocks(outputs[chosen], flat, part, spec.dtype)
         return (local if here is None else here), remote
+
+    def _destinations(
+        self, run_spec: RunSpec, flat: int, outputs: np.ndarray
+    ) -> list[tuple[int, np.ndarray]]:
+        """Per worker position that input ``flat`` sends shards to, the positions among
+        ``outputs`` of those shards: the same for every input cut alike in a run that
+        continues none (computed once per cut then; ``outputs`` is the partial's shared
+        array), else per input (a continued run sends only some inputs' shards)."""
+        key = (id(outputs), run_spec.run_id)
+        if not run_spec.lineage:
+            with self._lock:
+                hit = self._sends.get(key)
+            if hit is not None and hit[0] is outputs:
+                return hit[1]
+        positions = run_spec.send_positions(flat, outputs)
+        found = [
+            (position, np.flatnonzero(positions == position))
+            for position in np.unique(positions[positions >= 0]).tolist()
+        ]
+        if not run_spec.lineage:
+            with self._lock:
+                self._sends[key] = (outputs, found)
+        return found
 
     def _cut_each_blocking(
         self,

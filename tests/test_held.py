@@ -1,0 +1,87 @@
+"""Held inputs: one transfer task cuts several chunks that sit on the same worker."""
+
+from __future__ import annotations
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import wait
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rechunk_p2p
+from rechunk_p2p.holders import find_held, held_transfers
+from tests.conftest import assert_clean_sync
+
+
+def _transfer_groups(y: da.Array) -> tuple[tuple[int, ...], ...] | None:
+    graph = y.__dask_graph__()
+    barriers = [k for k in graph if str(k).startswith("rechunk_p2p-barrier-")]
+    (barrier,) = barriers
+    return graph[barrier].spec.transfer_groups
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    workers=st.lists(st.sampled_from(["a", "b", "c", None]), min_size=1, max_size=60),
+    per_task=st.integers(1, 20),
+    threads=st.integers(1, 4),
+)
+def test_each_input_is_cut_once_by_a_task_of_its_worker(workers, per_task, threads):
+    flats = list(range(0, 3 * len(workers), 3))
+    groups = held_transfers(flats, workers, per_task, {"a": threads, "b": 1})
+    members = [f for g in groups for f in g]
+    assert sorted(members) == flats  # every input exactly once
+    assert list(groups) == sorted(groups) and all(list(g) == sorted(g) for g in groups)
+    where = dict(zip(flats, workers))
+    for g in groups:
+        assert len({where[f] for f in g}) == 1  # one worker's chunks
+        assert where[g[0]] is not None or len(g) == 1  # an input of unknown place alone
+    for worker, n_threads in (("a", threads), ("b", 1), ("c", 1)):
+        mine = [g for g in groups if where[g[0]] == worker]
+        n = sum(len(g) for g in mine)
+        assert len(mine) >= min(n, 2 * n_threads)  # work for every thread
+        assert all(len(g) <= max(per_task, -(-n // (2 * n_threads))) for g in mine)
+
+
+def test_a_persisted_input_is_cut_by_fewer_tasks_with_the_same_result(client):
+    a = np.random.default_rng(0).random((96, 64))
+    x = client.persist(da.from_array(a, chunks=(1, 64)))
+    wait(x)
+    held = find_held(x)
+    assert held is not None and len(held.where) == 96
+    assert set(held.where.values()) <= set(client.nthreads())
+    y = rechunk_p2p.rechunk(x, (96, 4))
+    groups = _transfer_groups(y)
+    assert groups is not None and 2 <= len(groups) < 96
+    np.testing.assert_array_equal(y.compute(), a)
+    np.testing.assert_array_equal(y[:5, 8:20].compute(), a[:5, 8:20])  # culled
+    assert_clean_sync(client)
+
+
+def test_chunks_that_moved_after_the_graph_was_built_are_fetched(client):
+    a = np.arange(64 * 32, dtype="f8").reshape(64, 32)
+    x = client.persist(da.from_array(a, chunks=(2, 32)))
+    wait(x)
+    y = rechunk_p2p.rechunk(x, (64, 4))
+    assert _transfer_groups(y) is not None
+    client.rebalance(x)  # (may move nothing; either way the result is the same)
+    workers = list(client.nthreads())
+    client.replicate(x, n=len(workers))
+    np.testing.assert_array_equal(y.compute(), a)
+    assert_clean_sync(client)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda c: da.ones((16, 8), chunks=(1, 8)), id="made"),
+        pytest.param(lambda c: c.persist(da.ones((16, 8), chunks=(1, 8))) + 1, id="derived"),
+    ],
+)
+def test_inputs_not_held_whole_are_not_grouped(client, make):
+    x = make(client)
+    assert find_held(x) is None
+    y = rechunk_p2p.rechunk(x, (16, 1))
+    assert _transfer_groups(y) is None
+    np.testing.assert_array_equal(y.compute(), x.compute())
