@@ -303,10 +303,18 @@ class RechunkLayer(Layer):
         transfers = []
         for g, flats in enumerate(spec.transfer_groups):
             key = (name, g)
-            refs = [TaskRef((self.input_name, *spec.partial.input_index(f))) for f in flats]
+            refs = [self._held_chunk(spec.partial.input_index(f)) for f in flats]
             dsk[key] = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs)
             transfers.append(TaskRef(key))
         return self._barrier_and_outputs(dsk, spec, transfers)
+
+    def _held_chunk(self, index: tuple[int, ...]) -> GraphNode:
+        """Held input chunk ``index``: a reference to it, or (derived from a held chunk)
+        the task that computes it, to run inside the transfer."""
+        assert self.held is not None
+        if self.held.tasks is not None:
+            return self.held.tasks[index]
+        return TaskRef((self.input_name, *index))
 
     def _direct_tasks(self, partial: Partial, keep: frozenset[int] | None) -> dict[Any, Any]:
         dsk: dict[Any, Any] = {}

@@ -21,33 +21,49 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask.array as da
+from dask._task_spec import Task
+from dask.blockwise import optimize_blockwise
 from dask.core import flatten
+from dask.highlevelgraph import HighLevelGraph
+
+from rechunk_p2p.sources import MAX_SHARED_KEYS
 
 
 @dataclass(frozen=True)
 class HeldChunks:
     """**Immutable.** Where each chunk of a held input sat when the graph was built.
 
-    ``where`` maps a chunk's index to the worker holding it (chunks without a holder are
-    left out); ``threads`` is each worker's thread count.
+    ``where`` maps a chunk's index to the worker holding it (or holding the held chunk it is
+    computed from; chunks without a holder are left out); ``threads`` is each worker's
+    thread count. ``tasks``, for an input derived from held chunks, maps a chunk's index to
+    the task that computes it (run inside the transfer); ``None`` for held chunks.
     """
 
     where: dict[tuple[int, ...], str]
     threads: dict[str, int]
+    tasks: dict[tuple[int, ...], Task] | None = None
 
 
 def find_held(x: da.Array) -> HeldChunks | None:
     """Where ``x``'s chunks sit, when every one is a future of a synchronous client (a
-    persisted array); ``None`` otherwise, or when the scheduler cannot say."""
+    persisted array), or is computed by a task from one such future and a few values all
+    chunks share (``x - x.mean(axis=0)`` on a persisted ``x``, a slice of it); ``None``
+    otherwise, or when the scheduler cannot say."""
     try:
         from distributed import Future
     except ImportError:  # pragma: no cover (distributed is a dependency)
         return None
     keys = list(flatten(x.__dask_keys__()))
     graph = x.__dask_graph__()
-    futures = [graph.get(k) for k in keys] if keys else []
-    if not futures or not all(isinstance(f, Future) for f in futures):
+    if not keys or not isinstance(graph, HighLevelGraph):
         return None
+    made = None
+    futures = [graph.get(k) for k in keys]
+    if not all(isinstance(f, Future) for f in futures):
+        made = _derived_tasks(x, graph, keys, Future)
+        if made is None:
+            return None
+        futures = [graph.get(next(iter(own))) for own, _ in made.values()]
     client: Any = futures[0].client
     if getattr(client, "asynchronous", True) or getattr(client, "status", None) != "running":
         return None  # (an asynchronous client cannot answer while the graph is built)
@@ -56,8 +72,38 @@ def find_held(x: da.Array) -> HeldChunks | None:
         threads = client.nthreads()
     except Exception:  # the cluster cannot say: one transfer a chunk, as without it
         return None
-    where = {tuple(k[1:]): holders[0] for k, holders in who.items() if holders}
-    return HeldChunks(where, dict(threads))
+    holder = {f.key: who.get(f.key) for f in futures}
+    indices = [tuple(k[1:]) for k in keys]
+    where = {i: holder[f.key][0] for i, f in zip(indices, futures) if holder[f.key]}
+    tasks = None if made is None else {tuple(k[1:]): made[k][1] for k in keys}
+    return HeldChunks(where, dict(threads), tasks)
+
+
+def _derived_tasks(
+    x: da.Array, graph: HighLevelGraph, keys: list, future_type: type
+) -> dict[Any, tuple[set, Task]] | None:
+    """Chunk key -> (its own held key, the task computing it) when every chunk of ``x`` is
+    computed by a fusable task from exactly one future of its own and at most
+    :data:`MAX_SHARED_KEYS` keys every chunk reads; ``None`` otherwise."""
+    if any(layer.annotations for layer in graph.layers.values()):
+        return None
+    fused = optimize_blockwise(graph, keys=keys)
+    layer = fused.layers.get(x.name)
+    if layer is None:
+        return None
+    nodes = [layer.get(k) for k in keys]
+    if not all(isinstance(n, Task) and not n.block_fusion for n in nodes):
+        return None
+    shared = set.intersection(*(set(n.dependencies) for n in nodes))
+    if len(shared) > MAX_SHARED_KEYS:
+        return None
+    out = {}
+    for key, node in zip(keys, nodes):
+        own = set(node.dependencies) - shared
+        if len(own) != 1 or not isinstance(graph.get(next(iter(own))), future_type):
+            return None
+        out[key] = (own, node)
+    return out
 
 
 def held_transfers(

@@ -72,11 +72,32 @@ def test_chunks_that_moved_after_the_graph_was_built_are_fetched(client):
     assert_clean_sync(client)
 
 
+def test_chunks_derived_from_held_ones_are_computed_inside_grouped_transfers(client):
+    """Anomalies of a persisted array (each chunk from its held chunk and one reduction over
+    all of them): the held chunks' places decide the groups, and the derived chunks are
+    computed inside the transfers."""
+    a = np.arange(48 * 16, dtype="f8").reshape(48, 16)
+    x = client.persist(da.from_array(a, chunks=(1, 16)))
+    wait(x)
+    derived = x - x.mean(axis=0)
+    held = find_held(derived)
+    assert held is not None and held.tasks is not None and len(held.tasks) == 48
+    y = rechunk_p2p.rechunk(derived, (48, 2))
+    groups = _transfer_groups(y)
+    assert groups is not None and len(groups) < 48
+    np.testing.assert_allclose(y.compute(), a - a.mean(axis=0))
+    assert_clean_sync(client)
+
+
 @pytest.mark.parametrize(
     "make",
     [
         pytest.param(lambda c: da.ones((16, 8), chunks=(1, 8)), id="made"),
-        pytest.param(lambda c: c.persist(da.ones((16, 8), chunks=(1, 8))) + 1, id="derived"),
+        pytest.param(
+            lambda c: c.persist(da.ones((16, 8), chunks=(1, 8)))
+            + c.persist(da.zeros((16, 8), chunks=(1, 8))),
+            id="two-held-chunks-a-chunk",
+        ),
     ],
 )
 def test_inputs_not_held_whole_are_not_grouped(client, make):
