@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import dask.array as da
@@ -23,7 +24,7 @@ from rechunk_p2p import config
 from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
-from rechunk_p2p.holders import find_held
+from rechunk_p2p.holders import HeldChunks, find_held, partial_transfers
 from rechunk_p2p.planning import RechunkPlan
 from rechunk_p2p.planning.axes import Chunks, element_bytes
 from rechunk_p2p.planning.groups import transfer_groups
@@ -47,7 +48,10 @@ def rechunk_array(
     storage = config.storage()
     unknown = _unknown_axes(x)
     sources = _joinable(x)
-    the_plan = _make_plan(x, new, block_size_limit, n_workers=1, joinable=sources is not None)
+    held = _held(x) if sources is None else None
+    the_plan = _make_plan(
+        x, new, block_size_limit, n_workers=1, joinable=sources is not None, held=held
+    )
     ensure_registered()
     token = tokenize(x, new, storage, the_plan)  # the plan: settings that shape the graph
     logger.debug("rechunk_p2p: %s -> %s runs on the P2P engine (token %s)", x.name, new, token)
@@ -55,7 +59,6 @@ def rechunk_array(
         from rechunk_p2p.integrations.array_expr import p2p_rechunk_expr
 
         return p2p_rechunk_expr(x, the_plan, token, storage, new, unknown)
-    held = find_held(x) if sources is None and not unknown else None
     return build_rechunk(
         x,
         the_plan,
@@ -82,7 +85,9 @@ def plan_array(
     _require_numpy_chunks(x)
     if n_workers is None:
         n_workers = current_n_workers()
-    return _make_plan(x, new, block_size_limit, n_workers, joinable=_joinable(x) is not None)
+    sources = _joinable(x)
+    held = _held(x) if sources is None else None
+    return _make_plan(x, new, block_size_limit, n_workers, joinable=sources is not None, held=held)
 
 
 def _is_expression(x: da.Array) -> bool:
@@ -96,6 +101,14 @@ def _joinable(x: da.Array) -> InputSources | None:
     if config.get_bytes("transfer-group-bytes") <= 0 or _is_expression(x) or _unknown_axes(x):
         return None
     return find_sources(x)
+
+
+def _held(x: da.Array) -> HeldChunks | None:
+    """Where a held input's chunks sit, when transfer tasks may cut several of them
+    (``transfer-group-bytes`` above 0, no query planning, chunk sizes known)."""
+    if config.get_bytes("transfer-group-bytes") <= 0 or _is_expression(x) or _unknown_axes(x):
+        return None
+    return find_held(x)
 
 
 def _unknown_axes(x: da.Array) -> tuple[int, ...]:
@@ -118,16 +131,18 @@ def _make_plan(
     block_size_limit: int | None,
     n_workers: int,
     joinable: bool = False,
+    held: HeldChunks | None = None,
 ) -> RechunkPlan:
     """The plan of the shuffle of ``x``'s chunks (nothing moves them before it); with
-    ``joinable``, transfer tasks make and join neighbouring chunks where that pays."""
+    ``joinable``, transfer tasks make and join neighbouring chunks where that pays; with
+    ``held``, transfer tasks cut the held chunks of one worker together."""
     unknown = _unknown_axes(x)
     old, new = _planned(x.chunks, unknown), _planned(new, unknown)
     groups = None
     if joinable:
         limit = config.get_bytes("transfer-group-bytes")
         groups = transfer_groups(old, new, element_bytes(x.dtype), limit, fixed_axes=unknown)
-    return RechunkPlan(
+    plan = RechunkPlan(
         tuple(sum(c) for c in old),
         x.dtype,
         old,
@@ -139,6 +154,15 @@ def _make_plan(
         partial_outputs=config.get_count("partial-outputs"),
         groups=groups,
     )
+    if held is None:
+        return plan
+    per_task = config.get_bytes("transfer-group-bytes") // max(plan.largest_input_chunk_bytes, 1)
+    count = sum(
+        len(partial_transfers(p, range(p.n_inputs), held, per_task))
+        for p in plan.partials
+        if p.needs_shuffle
+    )
+    return replace(plan, held_transfers=count)
 
 
 def normalize(

@@ -36,7 +36,7 @@ from dask.highlevelgraph import HighLevelGraph, Layer
 
 from rechunk_p2p import tasks
 from rechunk_p2p.errors import RechunkInputError
-from rechunk_p2p.holders import HeldChunks, held_transfers
+from rechunk_p2p.holders import HeldChunks, partial_transfers
 from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.planning.groups import group_members
 from rechunk_p2p.sources import InputSources
@@ -287,10 +287,8 @@ class RechunkLayer(Layer):
         """The held inputs of ``spec`` that share a transfer task, if any do."""
         if self.held is None or self.group_bytes <= 0:
             return None
-        partial = spec.partial
-        chunk = max(self.plan.largest_input_chunk_bytes, 1)
-        where = [self.held.where.get(partial.input_index(i)) for i in spec.inputs]
-        groups = held_transfers(spec.inputs, where, self.group_bytes // chunk, self.held.threads)
+        per_task = self.group_bytes // max(self.plan.largest_input_chunk_bytes, 1)
+        groups = partial_transfers(spec.partial, spec.inputs, self.held, per_task)
         return groups if len(groups) < len(spec.inputs) else None
 
     def _grouped_tasks(self, spec: ShuffleSpec, name: str) -> dict[Any, Any]:

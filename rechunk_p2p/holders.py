@@ -26,6 +26,7 @@ from dask.blockwise import optimize_blockwise
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
 
+from rechunk_p2p.planning import Partial
 from rechunk_p2p.sources import MAX_SHARED_KEYS
 
 
@@ -135,3 +136,12 @@ def held_transfers(
         count = min(n, max(math.ceil(n / max(per_task, 1)), 2 * threads.get(worker, 1)))
         groups += [tuple(members[k * n // count : (k + 1) * n // count]) for k in range(count)]
     return tuple(sorted(groups))
+
+
+def partial_transfers(
+    partial: Partial, inputs: Sequence[int], held: HeldChunks, per_task: int
+) -> tuple[tuple[int, ...], ...]:
+    """:func:`held_transfers` of ``partial``'s ``inputs`` (flat indices), placed as
+    ``held`` says."""
+    where = [held.where.get(partial.input_index(i)) for i in inputs]
+    return held_transfers(inputs, where, per_task, held.threads)

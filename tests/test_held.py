@@ -54,6 +54,10 @@ def test_a_persisted_input_is_cut_by_fewer_tasks_with_the_same_result(client):
     y = rechunk_p2p.rechunk(x, (96, 4))
     groups = _transfer_groups(y)
     assert groups is not None and 2 <= len(groups) < 96
+    plan = rechunk_p2p.plan(x, (96, 4))  # the plan counts the graph's tasks
+    assert plan.held_transfers == len(groups)
+    assert plan.n_tasks == len(y.__dask_graph__().layers[y.name])
+    assert f"{len(groups)} transfer tasks cut the chunks on a worker" in repr(plan)
     np.testing.assert_array_equal(y.compute(), a)
     np.testing.assert_array_equal(y[:5, 8:20].compute(), a[:5, 8:20])  # culled
     assert_clean_sync(client)

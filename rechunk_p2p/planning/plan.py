@@ -142,6 +142,8 @@ class RechunkPlan:
     ``groups``: per axis, how many neighbouring input chunks each transfer task makes and
     cuts together (see :mod:`rechunk_p2p.planning.groups`); ``None``: one each. The shuffle's
     inputs (``input_chunks``, which partials and shards count) are then those groups.
+    ``held_transfers``: the transfer tasks of the shuffled partials where chunks held on one
+    worker share them (:mod:`rechunk_p2p.holders`); ``None``: one per input.
     """
 
     shape: tuple[int, ...]
@@ -154,6 +156,7 @@ class RechunkPlan:
     partial_bytes: int = 0
     partial_outputs: int = 0
     groups: Groups | None = None
+    held_transfers: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -233,7 +236,10 @@ class RechunkPlan:
         joined = 0
         if self.groups is not None:
             joined = sum(p.n_nonempty_inputs for p in self.partials if not p.needs_shuffle)
-        return self.n_output_chunks + sum(p.n_inputs for p in shuffled) + len(shuffled) + joined
+        transfers = sum(p.n_inputs for p in shuffled)
+        if self.held_transfers is not None:
+            transfers = self.held_transfers
+        return self.n_output_chunks + transfers + len(shuffled) + joined
 
     @property
     def itemsize(self) -> int:
@@ -354,6 +360,8 @@ class RechunkPlan:
         return [*rows, ("warning", warning)] if warning else rows
 
     def _group_rows(self) -> list[tuple[str, str]]:
+        if self.held_transfers is not None:
+            return [("held", f"{self.held_transfers} transfer tasks cut the chunks on a worker")]
         if self.groups is None:
             return []
         most = math.prod(max(g, default=1) for g in self.groups)
