@@ -98,8 +98,10 @@ def test_chunks_derived_from_held_ones_are_computed_inside_grouped_transfers(cli
     [
         pytest.param(lambda c: da.ones((16, 8), chunks=(1, 8)), id="made"),
         pytest.param(
-            lambda c: c.persist(da.ones((16, 8), chunks=(1, 8)))
-            + c.persist(da.zeros((16, 8), chunks=(1, 8))),
+            lambda c: (
+                c.persist(da.ones((16, 8), chunks=(1, 8)))
+                + c.persist(da.zeros((16, 8), chunks=(1, 8)))
+            ),
             id="two-held-chunks-a-chunk",
         ),
     ],

@@ -233,8 +233,10 @@ class DiskShardStore:
         if self._buffer_bytes <= 0:
             self._write_rows_blocking(rows, [memoryview(p).cast("B") for p in payloads])
             with self._lock:
-                self._held.update(rows["output"].tolist())
-                self._ledger.stored(len(rows), total)
+                # closed while writing: accepted, and dropped by the close (nothing held)
+                if not self._closed:
+                    self._held.update(rows["output"].tolist())
+                self._ledger.stored(len(rows), total, held=not self._closed)
             return total
         views = _shard_views(payloads, rows["nbytes"])
         with self._lock:

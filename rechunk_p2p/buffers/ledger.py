@@ -235,10 +235,13 @@ class ShardLedger:
         for input_ in np.unique(ins).tolist():
             self.forget_batch(input_, outs[ins == input_])
 
-    def stored(self, shards: int, nbytes: int) -> None:
+    def stored(self, shards: int, nbytes: int, held: bool = True) -> None:
+        """``shards`` of ``nbytes`` were accepted (and are held, unless the store closed
+        meanwhile)."""
         self.shards += shards
         self.bytes_written += nbytes
-        self.bytes_buffered += nbytes
+        if held:
+            self.bytes_buffered += nbytes
 
     def read(self, nbytes: int) -> None:
         """``nbytes`` were read and discarded."""

@@ -245,7 +245,7 @@ def test_blocks_of_one_input_are_placed_as_single_shards_are(shape, old, new, dt
 
 def test_small_shards_fill_outputs_of_one_slab_large_ones_outputs_of_their_own() -> None:
     thin = _partial((8, 64), (1, 64), (8, 4))  # 32-byte shards: one slab for 16 outputs
-    thick = _partial((32, 2048), (1, 2048), (32, 512))  # 4 KiB shards, 128 KiB outputs
+    thick = _partial((2, 32768), (1, 32768), (2, 16384))  # 128 KiB shards
     for partial, shared in ((thin, True), (thick, False)):
         data = np.arange(int(np.prod(partial.output_shape(0))) * partial.n_outputs, dtype="f8")
         data = data.reshape([sum(c) for c in partial.old_chunks])
@@ -330,4 +330,19 @@ def test_outputs_of_other_shapes_get_slabs_of_their_own() -> None:
         out, missing = store.take_output_blocking(output)
         assert missing == [] and out.flags.c_contiguous
         np.testing.assert_array_equal(out, _expected(partial, data, output))
+    store.close_blocking()
+
+
+def test_slabs_hold_at_most_their_bytes(monkeypatch) -> None:
+    import rechunk_p2p.buffers.assembling as assembling
+
+    monkeypatch.setattr(assembling, "SLAB_BYTES", 4 * 8 * 8 * 3)  # three outputs of 8 x 4
+    partial = _partial((8, 64), (1, 64), (8, 4))
+    data = np.arange(8 * 64, dtype="f8").reshape(8, 64)
+    store = _store(partial)
+    store.write_blocking(_shards(partial, data))
+    outs = [store.take_output_blocking(flat)[0] for flat in range(16)]
+    for flat, out in enumerate(outs):
+        np.testing.assert_array_equal(out, _expected(partial, data, flat))
+    assert len({id(out.base) for out in outs}) == 6  # 16 outputs, three a slab
     store.close_blocking()
