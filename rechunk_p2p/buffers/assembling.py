@@ -172,7 +172,7 @@ class AssemblingMemoryStore:
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write shards")
-            fresh = self._ledger.admit_batch(input_, outs)
+            fresh = self._ledger.admit_batch(input_, outs, checked=True)
             if fresh is not None:
                 outs, starts, blocks = outs[fresh], starts[fresh], blocks[fresh]
                 if not len(outs):

@@ -190,7 +190,7 @@ def empty_output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     (:mod:`rechunk_p2p.buffers.pages`). No huge pages are advised (numpy advises them for
     its own arrays from 4 MiB on): with outputs so advised, the workers spent 2-3 times the
     kernel time on the benchmark's workloads, on a VM (why is not known: the kernel did not
-    stall to compact memory, see docs/performance.md).
+    stall to compact memory; the git history of docs/performance.md has the runs).
     """
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))

@@ -162,12 +162,16 @@ class ShardLedger:
         """The store holds ``nbytes`` of shards in memory now (keeps the peak)."""
         self.max_bytes_in_memory = max(self.max_bytes_in_memory, nbytes)
 
-    def admit_batch(self, input_: int, outputs: np.ndarray) -> np.ndarray | None:
+    def admit_batch(
+        self, input_: int, outputs: np.ndarray, checked: bool = False
+    ) -> np.ndarray | None:
         """Take the pairs ``(outputs[k], input_)``: ``None`` when every one is new (the usual
         case), else whether each one is (a pair held before, or repeated earlier in the
-        batch, is not, and counts a duplicate)."""
+        batch, is not, and counts a duplicate). ``checked``: the caller knows the indices
+        are in range."""
         outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
-        _check_range(outs, input_)
+        if not checked:
+            _check_range(outs, input_)
         held = self._held.get(input_)
         ascending = _increasing(outs)
         if held is None and ascending:
