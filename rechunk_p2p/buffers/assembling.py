@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -50,6 +50,8 @@ from rechunk_p2p.planning import Partial
 #: it, each output gets pages of its own, which the next output of its size takes over
 #: when it is freed.
 SLAB_SHARD_BYTES = 64 * 2**10
+#: Batches of at most this many shards are checked and placed by a loop over them.
+_FEW_SHARDS = 16
 #: A slab holds at most this many bytes (or one output): an output handed over keeps its
 #: slab alive, so a slab is the unit in which memory returns once outputs are consumed.
 SLAB_BYTES = 64 * 2**20
@@ -97,6 +99,10 @@ class AssemblingMemoryStore:
         self._next_slab = 0
         self._held = 0  # bytes of outputs allocated and not taken yet
         self._ledger = ShardLedger()
+        # outputs' placements, and each place's slices -> (slices, piece shape, start):
+        # see _few_places
+        self._placements: dict[int, Mapping[int, tuple[slice, ...]]] = {}
+        self._pieces: dict[int, tuple[tuple[slice, ...], tuple[int, ...], list[int]]] = {}
 
     def __repr__(self) -> str:
         return f"<AssemblingMemoryStore {self.name!r} dtype={self.dtype}>"
@@ -128,10 +134,42 @@ class AssemblingMemoryStore:
             )
         if not len(outs):
             return 0
+        if len(outs) <= _FEW_SHARDS:  # (a few numpy passes cost more than a loop then)
+            starts = self._few_places(outs.tolist(), input_, blocks.shape[1:])
+            return self._write_checked_blocking(input_, outs, starts, blocks)
         self._check_outputs(outs, input_)
         starts, lengths = self._partial.places(input_, outs)
         self._check_places(outs, input_, lengths, blocks.shape[1:])
         return self._write_checked_blocking(input_, outs, starts, blocks)
+
+    def _few_places(self, outs: list[int], input_: int, shape: tuple[int, ...]) -> np.ndarray:
+        """:meth:`Partial.places` of a few outputs, checked, from the placements the partial
+        keeps per kind of output."""
+        partial, known, starts = self._partial, self._placements, []
+        for output in outs:
+            where = None
+            if 0 <= output < partial.n_outputs:
+                placement = known.get(output)
+                if placement is None:
+                    placement = known[output] = partial.output_placement(output)
+                where = placement.get(input_)
+            if where is None:
+                raise RechunkRunError(
+                    f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                    "which has no piece of that output"
+                )
+            # (a placement's slices live as long as the partial: their id names them)
+            hit = self._pieces.get(id(where))
+            if hit is None or hit[0] is not where:
+                piece = tuple(s.stop - s.start for s in where)
+                hit = self._pieces[id(where)] = (where, piece, [s.start for s in where])
+            if hit[1] != tuple(shape):
+                raise RechunkRunError(
+                    f"Store {self.name!r} got a shard of shape {tuple(shape)} for output "
+                    f"{output} from input {input_}; its piece there has shape {hit[1]}"
+                )
+            starts.append(hit[2])
+        return np.array(starts, dtype=np.int64).reshape(len(outs), len(shape))
 
     def write_blocking(self, shards: Iterable[Shard]) -> int:
         """Copy shards (of any inputs and shapes) into their outputs, dropping pairs stored
@@ -342,6 +380,9 @@ def _copy_blocking(
     strided copy for the shards of one slab that have one place in their outputs, one copy
     per shard in an output of its own."""
     shape = blocks.shape[1:]
+    if len(blocks) <= _FEW_SHARDS:
+        _copy_few_blocking(arrays, slabs.tolist(), slots.tolist(), starts.tolist(), blocks)
+        return
     if all(len(arrays[sid]) == 1 for sid in arrays):  # outputs of their own: shard by shard
         for k, (sid, place) in enumerate(zip(slabs.tolist(), starts.tolist())):
             region = tuple(slice(p, p + n) for p, n in zip(place, shape))
@@ -375,3 +416,28 @@ def _copy_blocking(
             slab[(slice(lo, lo + count), *region)] = source
         else:
             slab[(chosen, *region)] = source
+
+
+def _copy_few_blocking(
+    arrays: dict[int, np.ndarray],
+    slabs: list[int],
+    slots: list[int],
+    starts: list[list[int]],
+    blocks: np.ndarray,
+) -> None:
+    """:func:`_copy_blocking` of a few shards, grouped by a loop: one copy per run of
+    consecutive slots of one slab and place, one per shard elsewhere."""
+    shape = blocks.shape[1:]
+    groups: dict[tuple, list[int]] = {}
+    for k, (sid, place) in enumerate(zip(slabs, starts)):
+        groups.setdefault((sid, *place), []).append(k)
+    for (sid, *place), rows in groups.items():
+        slab = arrays[sid]
+        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
+        first, last = rows[0], rows[-1]
+        lo = slots[first]
+        if len(rows) > 1 and last - first == len(rows) - 1 and slots[last] - lo == last - first:
+            slab[(slice(lo, lo + len(rows)), *region)] = blocks[first : last + 1]
+            continue
+        for k in rows:
+            copy_into_blocking(slab[(slots[k], *region)], blocks[k])
