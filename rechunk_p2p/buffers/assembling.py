@@ -134,13 +134,18 @@ class AssemblingMemoryStore:
             )
         if not len(outs):
             return 0
+        starts = self._checked_places(outs, input_, blocks.shape[1:])
+        return self._write_checked_blocking(input_, outs, starts, blocks)
+
+    def _checked_places(self, outs: np.ndarray, input_: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Where input ``input_``'s shards of ``shape`` start in outputs ``outs``, after
+        checking that each is that input's piece of its output."""
         if len(outs) <= _FEW_SHARDS:  # (a few numpy passes cost more than a loop then)
-            starts = self._few_places(outs.tolist(), input_, blocks.shape[1:])
-            return self._write_checked_blocking(input_, outs, starts, blocks)
+            return self._few_places(outs.tolist(), input_, shape)
         self._check_outputs(outs, input_)
         starts, lengths = self._partial.places(input_, outs)
-        self._check_places(outs, input_, lengths, blocks.shape[1:])
-        return self._write_checked_blocking(input_, outs, starts, blocks)
+        self._check_places(outs, input_, lengths, shape)
+        return starts
 
     def _few_places(self, outs: list[int], input_: int, shape: tuple[int, ...]) -> np.ndarray:
         """:meth:`Partial.places` of a few outputs, checked, from the placements the partial
@@ -181,9 +186,7 @@ class AssemblingMemoryStore:
         checked = []
         for (input_, shape), rows in by_input.items():
             outs = np.array([batch[k][0] for k in rows], dtype=np.int64)
-            self._check_outputs(outs, input_)
-            starts, lengths = self._partial.places(input_, outs)
-            self._check_places(outs, input_, lengths, shape)
+            starts = self._checked_places(outs, input_, shape)
             blocks = np.empty((len(rows), *shape), dtype=self.dtype)
             for i, k in enumerate(rows):
                 blocks[i] = batch[k][2]
