@@ -156,9 +156,9 @@ def _make_plan(
     )
     if held is None:
         return plan
-    per_task = config.get_bytes("transfer-group-bytes") // max(plan.largest_input_chunk_bytes, 1)
+    group_bytes, chunk = config.get_bytes("transfer-group-bytes"), plan.largest_input_chunk_bytes
     count = sum(
-        len(partial_transfers(p, range(p.n_inputs), held, per_task))
+        len(partial_transfers(p, range(p.n_inputs), held, group_bytes, chunk))
         for p in plan.partials
         if p.needs_shuffle
     )

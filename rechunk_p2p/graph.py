@@ -287,8 +287,8 @@ class RechunkLayer(Layer):
         """The held inputs of ``spec`` that share a transfer task, if any do."""
         if self.held is None or self.group_bytes <= 0:
             return None
-        per_task = self.group_bytes // max(self.plan.largest_input_chunk_bytes, 1)
-        groups = partial_transfers(spec.partial, spec.inputs, self.held, per_task)
+        chunk = self.plan.largest_input_chunk_bytes
+        groups = partial_transfers(spec.partial, spec.inputs, self.held, self.group_bytes, chunk)
         return groups if len(groups) < len(spec.inputs) else None
 
     def _grouped_tasks(self, spec: ShuffleSpec, name: str) -> dict[Any, Any]:

@@ -139,9 +139,14 @@ def held_transfers(
 
 
 def partial_transfers(
-    partial: Partial, inputs: Sequence[int], held: HeldChunks, per_task: int
+    partial: Partial,
+    inputs: Sequence[int],
+    held: HeldChunks,
+    group_bytes: int,
+    chunk_bytes: int,
 ) -> tuple[tuple[int, ...], ...]:
     """:func:`held_transfers` of ``partial``'s ``inputs`` (flat indices), placed as
-    ``held`` says."""
+    ``held`` says, with chunks of up to ``chunk_bytes`` and up to ``group_bytes`` a task."""
     where = [held.where.get(partial.input_index(i)) for i in inputs]
+    per_task = group_bytes // max(chunk_bytes, 1)
     return held_transfers(inputs, where, per_task, held.threads)
