@@ -24,7 +24,7 @@ from rechunk_p2p import config
 from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
-from rechunk_p2p.holders import HeldChunks, find_held, partial_transfers
+from rechunk_p2p.holders import HeldChunks, find_held, held_groups, partial_transfers
 from rechunk_p2p.planning import RechunkPlan
 from rechunk_p2p.planning.axes import Chunks, element_bytes
 from rechunk_p2p.planning.groups import transfer_groups
@@ -139,9 +139,11 @@ def _make_plan(
     unknown = _unknown_axes(x)
     old, new = _planned(x.chunks, unknown), _planned(new, unknown)
     groups = None
+    limit = config.get_bytes("transfer-group-bytes")
     if joinable:
-        limit = config.get_bytes("transfer-group-bytes")
         groups = transfer_groups(old, new, element_bytes(x.dtype), limit, fixed_axes=unknown)
+    elif held is not None and not unknown:
+        groups = held_groups(old, new, element_bytes(x.dtype), limit, held)
     plan = RechunkPlan(
         tuple(sum(c) for c in old),
         x.dtype,
@@ -156,13 +158,16 @@ def _make_plan(
     )
     if held is None:
         return plan
-    group_bytes, chunk = config.get_bytes("transfer-group-bytes"), plan.largest_input_chunk_bytes
-    count = sum(
-        len(partial_transfers(p, range(p.n_inputs), held, group_bytes, chunk))
+    chunk = plan.largest_cut_bytes
+    where = held if groups is None else held.joined(groups)
+    transfers = [
+        (len(partial_transfers(p, range(p.n_inputs), where, limit, chunk)), p.n_inputs)
         for p in plan.partials
         if p.needs_shuffle
-    )
-    return replace(plan, held_transfers=count)
+    ]
+    # a transfer that cuts several chunks, or joined ones, has a held task too
+    marked = sum(n for n, inputs in transfers if groups is not None or n < inputs)
+    return replace(plan, held_transfers=sum(n for n, _ in transfers), held_tasks=marked)
 
 
 def normalize(

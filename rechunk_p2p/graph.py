@@ -41,8 +41,10 @@ from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.planning.groups import group_members
 from rechunk_p2p.sources import InputSources
 from rechunk_p2p.spec import (
+    HELD_PREFIX,
     JOINED_PREFIX,
     OUTPUT_PREFIX,
+    TRANSFER_PREFIX,
     ShuffleId,
     ShuffleSpec,
     barrier_key,
@@ -127,9 +129,10 @@ class RechunkLayer(Layer):
         group_bytes: int = 0,
     ) -> None:
         super().__init__(annotations=annotations)
-        if plan.groups is not None and sources is None:
+        if plan.groups is not None and sources is None and held is None:
             raise RechunkInputError(
-                f"Rechunk {token}: a plan that joins input chunks needs the tasks that make them"
+                f"Rechunk {token}: a plan that joins input chunks needs the tasks that make "
+                "them or where they are held"
             )
         self.name = name
         self.input_name = input_name
@@ -140,6 +143,10 @@ class RechunkLayer(Layer):
         self.keep = keep
         self.sources = sources if plan.groups is not None else None
         self.held = held if self.sources is None and not unknown_axes else None
+        if self.held is not None and plan.groups is not None:
+            self._groups_held = self.held.joined(plan.groups)
+        else:
+            self._groups_held = self.held
         self.group_bytes = group_bytes
         self._members: list[tuple[range, ...]] | None = None  # per axis, of each group
         self._graph: dict[Any, Any] | None = None
@@ -263,7 +270,7 @@ class RechunkLayer(Layer):
         for flat in spec.inputs:
             index = partial.input_index(flat)
             key = (transfers_name, *index)
-            if self.sources is None:
+            if self.plan.groups is None:
                 source: TaskRef | GraphNode = TaskRef((self.input_name, *index))
             else:
                 source = self._joined(index)  # made inside the transfer
@@ -284,12 +291,14 @@ class RechunkLayer(Layer):
         return dsk
 
     def _held_groups(self, spec: ShuffleSpec) -> tuple[tuple[int, ...], ...] | None:
-        """The held inputs of ``spec`` that share a transfer task, if any do."""
-        if self.held is None or self.group_bytes <= 0:
+        """The held inputs of ``spec`` that share a transfer task, if any do (always, where
+        the plan joins held chunks)."""
+        held = self._groups_held
+        if held is None or self.group_bytes <= 0:
             return None
-        chunk = self.plan.largest_input_chunk_bytes
-        groups = partial_transfers(spec.partial, spec.inputs, self.held, self.group_bytes, chunk)
-        return groups if len(groups) < len(spec.inputs) else None
+        chunk = self.plan.largest_cut_bytes
+        groups = partial_transfers(spec.partial, spec.inputs, held, self.group_bytes, chunk)
+        return groups if self.plan.groups is not None or len(groups) < len(spec.inputs) else None
 
     def _grouped_tasks(self, spec: ShuffleSpec, name: str) -> dict[Any, Any]:
         """One transfer task per group of held inputs (``spec.transfer_groups``)."""
@@ -297,18 +306,35 @@ class RechunkLayer(Layer):
         # (named after the groups: a graph built when the chunks sat elsewhere differs)
         digest = hashlib.sha1(repr(spec.transfer_groups).encode(), usedforsecurity=False)
         name = f"{name}-{digest.hexdigest()[:12]}"
+        held_name = HELD_PREFIX + name.rpartition(TRANSFER_PREFIX)[2]
         dsk: dict[Any, Any] = {}
         transfers = []
         for g, flats in enumerate(spec.transfer_groups):
-            key = (name, g)
+            key, held = (name, g), (held_name, g)
             refs = [self._held_chunk(spec.partial.input_index(f)) for f in flats]
-            dsk[key] = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs)
+            # every chunk the group reads gets a second dependent (see tasks.held)
+            read = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs).dependencies
+            dsk[held] = Task(held, tasks.held, *(TaskRef(k) for k in sorted(read, key=str)))
+            dsk[key] = Task(
+                key, tasks.transfer_group, spec.shuffle_id, flats, *refs, after=TaskRef(held)
+            )
             transfers.append(TaskRef(key))
         return self._barrier_and_outputs(dsk, spec, transfers)
 
-    def _held_chunk(self, index: tuple[int, ...]) -> GraphNode:
+    def _held_chunk(self, index: tuple[int, ...]) -> GraphNode | TaskRef:
         """Held input chunk ``index``: a reference to it, or (derived from a held chunk)
-        the task that computes it, to run inside the transfer."""
+        the task that computes it, to run inside the transfer; where the plan joins chunks,
+        the node that joins the chunks of group ``index``."""
+        assert self.held is not None
+        if self.plan.groups is not None:
+            return self._joined(index)
+        return self._chunk_node(index)
+
+    def _chunk_node(self, index: tuple[int, ...]) -> GraphNode | TaskRef:
+        """The node that gives input chunk ``index``: the task that makes it, the task that
+        computes it from a held chunk, or a reference to the held chunk."""
+        if self.sources is not None:
+            return self.sources.task((self.input_name, *index))
         assert self.held is not None
         if self.held.tasks is not None:
             return self.held.tasks[index]
@@ -337,33 +363,31 @@ class RechunkLayer(Layer):
     def _input_ref(self, index: tuple[int, ...], dsk: dict[Any, Any]) -> TaskRef:
         """A reference to input ``index`` for a plain task: the input's own chunk, or a task
         (added to ``dsk``) that makes and joins the chunks of group ``index``."""
-        if self.sources is None:
+        if self.plan.groups is None:
             return TaskRef((self.input_name, *index))
         key = (JOINED_PREFIX + self.token, *index)
         if key not in dsk:
             dsk[key] = self._made(index, tasks.join, key)
         return TaskRef(key)
 
-    def _joined(self, index: tuple[int, ...]) -> GraphNode:
+    def _joined(self, index: tuple[int, ...]) -> GraphNode | TaskRef:
         """A node, to run inside a transfer task, that makes the input chunks of group
         ``index`` and hands them to the cut as one block (unjoined: the cut places each)."""
         return self._made(index, tasks.made)
 
-    def _made(self, index: tuple[int, ...], func: Any, key: Any = None) -> GraphNode:
-        """The task ``key`` that makes the input chunks of group ``index`` and calls ``func``
-        with the grid and the chunks in C order; a group of one chunk without a ``key`` is
-        that chunk's own task."""
-        assert self.sources is not None and self.plan.groups is not None
+    def _made(self, index: tuple[int, ...], func: Any, key: Any = None) -> GraphNode | TaskRef:
+        """The task ``key`` that makes (or reads, held) the input chunks of group ``index``
+        and calls ``func`` with the grid and the chunks in C order; a group of one chunk
+        without a ``key`` is that chunk's own node."""
+        assert self.plan.groups is not None
         if self._members is None:
             self._members = [group_members(g) for g in self.plan.groups]
         members = [axis[i] for axis, i in zip(self._members, index)]
-        made = [
-            self.sources.task((self.input_name, *chunk)) for chunk in itertools.product(*members)
-        ]
+        made = [self._chunk_node(chunk) for chunk in itertools.product(*members)]
         if len(made) == 1 and key is None:
             return made[0]
         grid = tuple(len(m) for m in members)
-        producer = any(t.data_producer for t in made)
+        producer = any(isinstance(t, GraphNode) and t.data_producer for t in made)
         return Task(key, func, grid, *made, _data_producer=producer)
 
 

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask.array as da
+import numpy as np
 from dask._task_spec import Task
 from dask.blockwise import optimize_blockwise
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
 
 from rechunk_p2p.planning import Partial
+from rechunk_p2p.planning.axes import Chunks
+from rechunk_p2p.planning.groups import MIN_TRANSFERS, Groups, group_members, transfer_groups
 from rechunk_p2p.sources import MAX_SHARED_KEYS
 
 
@@ -43,6 +46,17 @@ class HeldChunks:
     where: dict[tuple[int, ...], str]
     threads: dict[str, int]
     tasks: dict[tuple[int, ...], Task] | None = None
+
+    def joined(self, groups: Groups) -> HeldChunks:
+        """Where each group of chunks (``groups``, as :func:`held_groups` makes them) sits:
+        its first chunk's worker, keyed by the group's index. Its ``tasks`` are ``None``."""
+        members = [group_members(g) for g in groups]
+        where = {}
+        for index in np.ndindex(*(len(m) for m in members)):
+            first = tuple(m[i].start for m, i in zip(members, index))
+            if first in self.where:
+                where[tuple(map(int, index))] = self.where[first]
+        return HeldChunks(where, self.threads)
 
 
 def find_held(x: da.Array) -> HeldChunks | None:
@@ -150,3 +164,67 @@ def partial_transfers(
     where = [held.where.get(partial.input_index(i)) for i in inputs]
     per_task = group_bytes // max(chunk_bytes, 1)
     return held_transfers(inputs, where, per_task, held.threads)
+
+
+def held_groups(
+    old: Chunks,
+    new: Chunks,
+    itemsize: int,
+    limit_bytes: int,
+    held: HeldChunks,
+    min_transfers: int = MIN_TRANSFERS,
+) -> Groups | None:
+    """The groups of neighbouring held chunks that each transfer task joins and cuts as one
+    block: :func:`~rechunk_p2p.planning.groups.transfer_groups`, further split along each
+    axis wherever two neighbouring chunks sit on different workers (or one sits nowhere
+    known), so that a group's chunks are all on one worker. At least ``min_transfers``
+    groups, and two per thread of the cluster. ``None`` when no two chunks would be joined.
+
+    Cutting a joined block makes one piece per output chunk where each chunk made one: a
+    million pieces of a few bytes (persisted one-row chunks into column strips) become a few
+    thousand.
+
+    >>> where = {(i, 0): "ab"[i // 4] for i in range(8)}
+    >>> held_groups(((1,) * 8, (4,)), ((8,), (2, 2)), 8, 128, HeldChunks(where, {"a": 1}), 2)
+    ((4, 4), (1,))
+    >>> where[(1, 0)] = "b"
+    >>> held_groups(((1,) * 8, (4,)), ((8,), (2, 2)), 8, 128, HeldChunks(where, {"a": 1}), 2)
+    ((1, 1, 2, 4), (1,))
+    """
+    fewest = max(min_transfers, 2 * sum(held.threads.values()))
+    base = transfer_groups(old, new, itemsize, limit_bytes, min_transfers=fewest)
+    if base is None:
+        return None
+    names = {w: i for i, w in enumerate(sorted(set(held.where.values())))}
+    holders = np.full(tuple(len(c) for c in old), -1, dtype=np.int64)
+    for index, worker in held.where.items():
+        holders[index] = names[worker]
+    groups = []
+    for axis, sizes in enumerate(base):
+        if len(sizes) == len(old[axis]):
+            groups.append(sizes)
+            continue
+        along = np.moveaxis(holders, axis, 0).reshape(len(old[axis]), -1)
+        moves = (along[1:] != along[:-1]) | (along[1:] < 0) | (along[:-1] < 0)
+        cuts = set((1 + np.flatnonzero(moves.any(axis=1))).tolist())
+        groups.append(_cut_at(sizes, cuts))
+    if all(n == 1 for axis in groups for n in axis):
+        return None
+    return tuple(groups)
+
+
+def _cut_at(sizes: tuple[int, ...], cuts: set[int]) -> tuple[int, ...]:
+    """Group sizes along one axis, each group also cut before every chunk index in ``cuts``.
+
+    >>> _cut_at((4, 4), {2, 3, 4})
+    (2, 1, 1, 4)
+    """
+    out: list[int] = []
+    for members in group_members(sizes):
+        start = members.start
+        for i in members[1:]:
+            if i in cuts:
+                out.append(i - start)
+                start = i
+        out.append(members.stop - start)
+    return tuple(out)

@@ -26,6 +26,7 @@ from rechunk_p2p.planning import Partial, assign_worker
 BARRIER_PREFIX = "rechunk_p2p-barrier-"
 TRANSFER_PREFIX = "rechunk_p2p-transfer-"
 JOINED_PREFIX = "rechunk_p2p-joined-"
+HELD_PREFIX = "rechunk_p2p-held-"
 OUTPUT_PREFIX = "rechunk-p2p-out-"
 
 Slices = tuple[slice, ...]

@@ -25,6 +25,7 @@ __all__ = [
     "assemble",
     "barrier",
     "empty",
+    "held",
     "join",
     "made",
     "transfer",
@@ -63,12 +64,23 @@ def transfer(
     return _plugin(worker).transfer_blocking(shuffle_id, flat, data)
 
 
+def held(*chunks: Any) -> None:
+    """Nothing: the task that gives each held chunk of a transfer group a second dependent.
+
+    dask's ordering walks, for every root of a graph, every output it reaches: through a
+    barrier that is held chunks x output chunks steps (seconds for a million pairs). A graph
+    input with more than one dependent is no root there, so with this task the groups' tasks
+    are the roots instead, a few hundred steps per output.
+    """
+
+
 def transfer_group(
-    shuffle_id: ShuffleId, flats: tuple[int, ...], *chunks: np.ndarray
+    shuffle_id: ShuffleId, flats: tuple[int, ...], *chunks: np.ndarray, after: None = None
 ) -> RunId | tuple[LocalInput, ...]:
     """Cut held input chunks ``flats`` (``chunks``, in that order), which sit on one worker,
     as :func:`transfer` cuts one; the oldest run id any was cut for (without distributed
-    workers: the chunks, as :class:`LocalInput` s)."""
+    workers: the chunks, as :class:`LocalInput` s). ``after`` is the result of the group's
+    :func:`held` task."""
     worker = _worker()
     if worker is None:
         return tuple(LocalInput(f, np.asarray(c)) for f, c in zip(flats, chunks))

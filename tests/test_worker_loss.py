@@ -176,7 +176,8 @@ def _kill_during(client, phase: str, seed: int, rows: int = 20, held: bool = Fal
     # bystander: fewer output chunks than workers, so one worker owns none
     target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
     joined = rechunk_p2p.plan(x, target, n_workers=3).groups
-    assert (joined is not None) == (rows == JOINED_ROWS and not held), joined
+    if not held:  # (held chunks are joined where neighbours sit on one worker)
+        assert (joined is not None) == (rows == JOINED_ROWS), joined
     y = rechunk_p2p.rechunk(x, target)
     if held:
         barrier = next(k for k in y.__dask_graph__() if str(k).startswith("rechunk_p2p-barrier"))

@@ -143,7 +143,8 @@ class RechunkPlan:
     cuts together (see :mod:`rechunk_p2p.planning.groups`); ``None``: one each. The shuffle's
     inputs (``input_chunks``, which partials and shards count) are then those groups.
     ``held_transfers``: the transfer tasks of the shuffled partials where chunks held on one
-    worker share them (:mod:`rechunk_p2p.holders`); ``None``: one per input.
+    worker share them (:mod:`rechunk_p2p.holders`); ``None``: one per input. ``held_tasks``:
+    the tasks that mark the chunks of those shared transfers (``rechunk_p2p.tasks.held``).
     """
 
     shape: tuple[int, ...]
@@ -157,6 +158,7 @@ class RechunkPlan:
     partial_outputs: int = 0
     groups: Groups | None = None
     held_transfers: int | None = None
+    held_tasks: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -231,14 +233,15 @@ class RechunkPlan:
     def n_tasks(self) -> int:
         """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
         one unpack per output; one task per output chunk elsewhere, plus one per group of
-        input chunks with elements those read when chunks are joined."""
+        input chunks with elements those read when chunks are joined (held chunks: per
+        shared transfer, one held task too)."""
         shuffled = [p for p in self.partials if p.needs_shuffle]
         joined = 0
         if self.groups is not None:
             joined = sum(p.n_nonempty_inputs for p in self.partials if not p.needs_shuffle)
         transfers = sum(p.n_inputs for p in shuffled)
         if self.held_transfers is not None:
-            transfers = self.held_transfers
+            transfers = self.held_transfers + self.held_tasks
         return self.n_output_chunks + transfers + len(shuffled) + joined
 
     @property
@@ -266,6 +269,11 @@ class RechunkPlan:
     @property
     def largest_input_chunk_bytes(self) -> int:
         return math.prod(max(c, default=0) for c in self.old_chunks) * self.itemsize
+
+    @property
+    def largest_cut_bytes(self) -> int:
+        """Bytes of the largest chunk the shuffle cuts (a joined group's, where joined)."""
+        return math.prod(max(c, default=0) for c in self.input_chunks) * self.itemsize
 
     @property
     def per_worker_buffer_bytes(self) -> int:
@@ -360,18 +368,22 @@ class RechunkPlan:
         return [*rows, ("warning", warning)] if warning else rows
 
     def _group_rows(self) -> list[tuple[str, str]]:
-        if self.held_transfers is not None:
-            return [("held", f"{self.held_transfers} transfer tasks cut the chunks on a worker")]
-        if self.groups is None:
-            return []
-        most = math.prod(max(g, default=1) for g in self.groups)
-        return [
-            (
-                "joined",
-                f"{self.n_transfers} groups of up to {most} input chunks, each made and cut "
-                "by one task",
+        rows = []
+        if self.groups is not None:
+            most = math.prod(max(g, default=1) for g in self.groups)
+            how = "held on one worker" if self.held_transfers is not None else "made"
+            rows.append(
+                (
+                    "joined",
+                    f"{self.n_transfers} groups of up to {most} input chunks, each {how} "
+                    "and cut as one block",
+                )
             )
-        ]
+        if self.held_transfers is not None:
+            rows.append(
+                ("held", f"{self.held_transfers} transfer tasks cut the chunks on a worker")
+            )
+        return rows
 
     def __repr__(self) -> str:
         return "\n".join([self.title, *(f"  {k:<12} {v}" for k, v in self.rows())])
