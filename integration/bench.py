@@ -41,6 +41,7 @@ import distributed
 from dask.utils import format_bytes, parse_bytes
 from distributed import Client, LocalCluster
 
+from integration import run_probes
 from integration.lag_bounds import LagBounds, violations
 from integration.reference import Reference, floor_seconds, measure
 from integration.resources import ResourceSampler
@@ -201,7 +202,12 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
     except Exception as e:  # e.g. an implementation refusing the workload
         return {**out, "ok": False, "error": f"{type(e).__name__}: {e}"}
     held = None
+    sched_tid = run_probes.scheduler_thread(client)
+    sched_cpu0 = run_probes.thread_cpu_seconds(sched_tid)
+    task_cpu0 = run_probes.task_cpu_seconds(client)
+    cursor = run_probes.stream_cursor(client)
     with ResourceSampler(pids, dirs) as sampler:
+        since = time.time()
         t0 = time.perf_counter()
         with measure_event_loops(
             client, args.interval, timeline_points=1000, capture_stacks="100ms"
@@ -219,9 +225,12 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
                 result, error = False, f"{type(e).__name__}: {e}"
         wall = time.perf_counter() - t0
         sampler.stop()  # what the check after the clock uses is not counted
+        sched_cpu1 = run_probes.thread_cpu_seconds(sched_tid)
+        task_cpu1 = run_probes.task_cpu_seconds(client)
         if held is not None and result:  # after the clock: every output held is right
             result = bool(client.compute(checked(held, w)).result(timeout=args.timeout))
             error = None if result else "wrong values in the outputs"
+    times = run_probes.stream_times(client, cursor, since, y.name)
     del held, y, ok
     stats1 = _engine_statistics(client, impl)
     delta = None if stats0 is None or stats1 is None else {k: stats1[k] - stats0[k] for k in stats1}
@@ -235,6 +244,15 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         "rss_peak_bytes": peaks.rss_bytes,
         "disk_peak_bytes": peaks.disk_bytes,
         "worker_cpu_s": peaks.cpu_seconds,
+        "task_cpu_s": {a: task_cpu1[a] - task_cpu0.get(a, 0.0) for a in task_cpu1},
+        "scheduler_cpu_s": (
+            None if sched_cpu0 is None or sched_cpu1 is None else sched_cpu1 - sched_cpu0
+        ),
+        "fds_peak": peaks.fds,
+        "connections_peak": peaks.connections,
+        "messages_sent": None if delta is None else int(delta["messages_sent"]),
+        "bytes_sent": None if delta is None else int(delta["bytes_sent"]),
+        **times,
         "spilled_bytes": None if delta is None else int(delta["bytes_spilled"]),
         "phases_s": None
         if delta is None
@@ -281,6 +299,37 @@ def headline(run: dict[str, Any]) -> dict[str, float]:
         "spilled": run.get("spilled_bytes") or 0,
         # CPU seconds of all worker processes together (runs before it was recorded: nan)
         "cpu_s": sum(run["worker_cpu_s"].values()) if run.get("worker_cpu_s") else float("nan"),
+        **scale_figures(run, workers),
+    }
+
+
+def scale_figures(run: dict[str, Any], worker_lags: list[dict[str, Any]]) -> dict[str, float]:
+    """The figures the many-worker benchmark plots (nan where a run did not record one)."""
+    nan = float("nan")
+    lag = run.get("lag") or {}
+    sched = [
+        s
+        for a, s in lag.get("per_process", {}).items()
+        if lag.get("distributed", {}).get(a, {}).get("server_type") == "Scheduler"
+    ]
+    cpu, tasks = run.get("worker_cpu_s") or {}, run.get("task_cpu_s") or {}
+    outside = [cpu[a] - tasks[a] for a in cpu if a in tasks]
+    messages, sent = run.get("messages_sent"), run.get("bytes_sent")
+
+    def value(v: Any) -> float:
+        return nan if v is None else float(v)
+
+    return {
+        "scheduler_cpu_s": value(run.get("scheduler_cpu_s")),
+        "scheduler_max_ms": max((s["max_ms"] for s in sched), default=nan),
+        "worker_p50_ms": max((s["p50_ms"] for s in worker_lags), default=nan),
+        "cpu_outside_tasks_s": max(outside, default=nan),
+        "messages": value(messages),
+        "bytes_per_message": sent / messages if messages and sent is not None else nan,
+        "connections": max((run.get("connections_peak") or {}).values(), default=nan),
+        "fds": max((run.get("fds_peak") or {}).values(), default=nan),
+        "to_first_transfer_s": value(run.get("to_first_transfer_s")),
+        "barrier_to_last_output_s": value(run.get("barrier_to_last_output_s")),
     }
 
 

@@ -30,12 +30,17 @@ class ResourcePeaks:
         CPU time (user + system, all threads) each worker process used from entering the
         sampler to :meth:`ResourceSampler.stop` (or to :meth:`ResourceSampler.peaks` if
         earlier).
+    fds, connections
+        Peak open file descriptors and TCP connections of each worker process (sampled with
+        the disk use).
     """
 
     rss_bytes: dict[str, int]
     disk_bytes: dict[str, int]
     samples: int
     cpu_seconds: dict[str, float]
+    fds: dict[str, int]
+    connections: dict[str, int]
 
 
 def directory_bytes_blocking(path: str) -> int:
@@ -91,6 +96,8 @@ class ResourceSampler:
         self._dirs = dict(directories)
         self._rss = dict.fromkeys(pids, 0)
         self._disk = dict.fromkeys(directories, 0)
+        self._fds = dict.fromkeys(pids, 0)
+        self._connections = dict.fromkeys(pids, 0)
         self._samples = 0
         self._cpu_start: dict[str, float] = {}
         self._cpu_end: dict[str, float] = {}
@@ -148,12 +155,24 @@ class ResourceSampler:
             except psutil.Error:
                 continue
         sizes = {a: directory_bytes_blocking(d) for a, d in self._dirs.items()} if disk else {}
+        fds, connections = {}, {}
+        if disk:
+            for addr, proc in self._procs.items():
+                try:
+                    fds[addr] = proc.num_fds()
+                    connections[addr] = len(proc.net_connections(kind="tcp"))
+                except psutil.Error:
+                    continue
         with self._lock:
             self._samples += 1
             for a, v in rss.items():
                 self._rss[a] = max(self._rss[a], v)
             for a, v in sizes.items():
                 self._disk[a] = max(self._disk[a], v)
+            for a, v in fds.items():
+                self._fds[a] = max(self._fds[a], v)
+            for a, v in connections.items():
+                self._connections[a] = max(self._connections[a], v)
 
     def peaks(self) -> ResourcePeaks:
         """The peaks so far."""
@@ -162,4 +181,11 @@ class ResourceSampler:
         end = end or self._cpu_blocking()  # (psutil reads outside the lock)
         with self._lock:
             cpu = {a: end[a] - t for a, t in self._cpu_start.items() if a in end}
-            return ResourcePeaks(dict(self._rss), dict(self._disk), self._samples, cpu)
+            return ResourcePeaks(
+                dict(self._rss),
+                dict(self._disk),
+                self._samples,
+                cpu,
+                dict(self._fds),
+                dict(self._connections),
+            )

@@ -38,6 +38,15 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert doc["meta"]["data_only_s"]["2d-rows-to-cols/held"] == 0  # held before the clock
     engine = doc["runs"][0]["phases_s"]
     assert engine["cut"] > 0 and engine["assemble"] > 0, engine
+    for r in doc["runs"]:  # the many-worker figures
+        assert r["scheduler_cpu_s"] > 0 and min(r["fds_peak"].values()) > 0, r
+        assert min(r["connections_peak"].values()) > 0  # at least the scheduler's
+        assert 0 < sum(r["task_cpu_s"].values()) <= sum(r["worker_cpu_s"].values()) + 0.5
+        if r["impl"] != "dask-tasks":  # (no transfer or barrier there)
+            assert 0 <= r["to_first_transfer_s"] < r["wall_s"], r
+            assert 0 <= r["barrier_to_last_output_s"] < r["wall_s"], r
+    ours = [r for r in doc["runs"] if r["impl"] == "rechunk_p2p"]
+    assert all(r["messages_sent"] > 0 and r["bytes_sent"] > 0 for r in ours)
     assert doc["runs"][1]["phases_s"] is None  # dask's own methods have no engine phases
     out = capsys.readouterr().out
     assert "2d-rows-to-cols" in out and "wall s" in out
@@ -175,3 +184,27 @@ def test_resource_sampler_measures_until_stop(tmp_path: Path) -> None:
     del held
     assert 0.2 <= peaks.cpu_seconds["me"] < 0.6, peaks
     assert peaks.rss_bytes["me"] < before + 100 * 2**20, (peaks, before)
+
+
+def test_many_workers_sweep_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two worker counts, weak scaling, one run each: every figure of every point."""
+    from integration import many_workers
+
+    argv = [
+        "--workers", "2,3", "--workloads", "2d128", "--per-worker", "4MiB", "--sweeps", "weak",
+        "--repeat", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert many_workers.main(argv) == 0
+    points = json.loads((tmp_path / "many_workers.json").read_text())["points"]
+    assert [(p["workers"], p["impl"]) for p in points] == [
+        (2, "rechunk_p2p"), (2, "dask-p2p"), (3, "rechunk_p2p"), (3, "dask-p2p"),
+    ]  # fmt: skip
+    assert [p["size"] for p in points] == [8 * 2**20] * 2 + [12 * 2**20] * 2
+    for p in points:
+        assert p["wall_s"] > 0 and p["cpu_s"] > 0 and p["scheduler_cpu_s"] > 0, p
+        assert p["connections"] > 0 and p["fds"] > 0 and p["rss_peak"] > 0
+    assert all(p["messages"] > 0 for p in points if p["impl"] == "rechunk_p2p")
+    out = capsys.readouterr().out
+    assert "rechunk_p2p / other" in out and "3 workers vs dask-p2p" in out
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "many_workers.png").stat().st_size > 10_000

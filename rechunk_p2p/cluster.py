@@ -68,14 +68,15 @@ def register(client: Any) -> Any:
     return None
 
 
-STATISTICS = ("runs", "bytes_sent", "bytes_received", "bytes_spilled")
+STATISTICS = ("runs", "bytes_sent", "bytes_received", "bytes_spilled", "messages_sent")
 PHASES = ("cut", "queue_wait", "send", "store", "assemble")
 
 
 def cluster_statistics(client: Any) -> dict[str, float]:
     """Totals over every worker since it started.
 
-    ``runs``, ``bytes_sent``, ``bytes_received``, ``bytes_spilled`` (integers), and the
+    ``runs``, ``bytes_sent``, ``bytes_received``, ``bytes_spilled``, ``messages_sent``
+    (integers: batches of shards sent to other workers, one message each), and the
     seconds spent in each phase, summed over workers and threads: ``seconds_cut``,
     ``seconds_queue_wait``, ``seconds_send``, ``seconds_store``, ``seconds_assemble``
     (see :class:`rechunk_p2p.worker.run.PhaseSeconds`).

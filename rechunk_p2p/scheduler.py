@@ -7,11 +7,8 @@ messages; no array data ever reaches the scheduler.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
-from collections import Counter
-from dataclasses import dataclass, field
 from time import time
 from typing import Any
 
@@ -22,6 +19,13 @@ from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
 from rechunk_p2p.errors import BROKEN_CONNECTION, ClusterError, StaleRunError
+from rechunk_p2p.recovery import (
+    BARRIER_PENDING,
+    STALE_STIMULUS,
+    RunRecovery,
+    SchedulerRun,
+    transfer_chain,
+)
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
@@ -33,42 +37,15 @@ from rechunk_p2p.spec import (
     barrier_key,
     id_from_key,
 )
+from rechunk_p2p.waves import TransferWaves, assign_round_robin, root_transfer
 
 logger = logging.getLogger(__name__)
 
-#: Stimulus of the transitions that re-run stale transfers (the run stays open through them)
-_STALE_STIMULUS = "rechunk-p2p-stale-"
 #: Attempts of a barrier's request to one worker whose connection broke meanwhile.
 BARRIER_ATTEMPTS = 5
 
-# States of a barrier task whose transfers may still need a run
-_BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})
 
-
-@dataclass
-class SchedulerRun:
-    """**Loop-confined.** The scheduler's record of one active run."""
-
-    run_spec: RunSpec
-    participants: set[str] = field(default_factory=set)
-    restricted: dict[Any, Any] = field(default_factory=dict)
-    owners: frozenset[str] = frozenset()  # the workers that assemble outputs
-    departed: set[str] = field(default_factory=set)  # workers that left the run on its way
-    delivered: bool = False  # a barrier of the run finished: every input's shards arrived
-    # inputs whose every shard was queued for sending by the worker named (a continued run
-    # sends only the moved outputs' shards of them, while that worker is there)
-    full_by: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def shuffle_id(self) -> ShuffleId:
-        return self.run_spec.shuffle_id
-
-    @property
-    def workers(self) -> set[str]:
-        return set(self.run_spec.workers) | self.participants
-
-
-class RechunkSchedulerPlugin(SchedulerPlugin):
+class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     """**Loop-confined.** rechunk_p2p's state on the scheduler.
 
     On start it registers its RPC handlers and the worker plugin (on every current and future
@@ -147,7 +124,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         limit = int(config.get("scheduler.assign-transfers"))
         if limit <= 0 or not tasks:
             return
-        roots = [ts for key in tasks if (ts := _root_transfer(scheduler, key)) is not None]
+        roots = [ts for key in tasks if (ts := root_transfer(scheduler, key)) is not None]
         if not roots:
             return
         pins = assign_round_robin(
@@ -218,7 +195,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
                 f"The barrier task of rechunk {shuffle_id} is not on the scheduler (it was "
                 "released, or an optimisation renamed it); cannot start the rechunk"
             )
-        if ts.state not in _BARRIER_PENDING:
+        if ts.state not in BARRIER_PENDING:
             # a transfer still running after the barrier erred or was released: a run created
             # now would never be closed (until the barrier is forgotten)
             raise StaleRunError(
@@ -340,13 +317,13 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
         if barrier is None or barrier.state != "processing":
             return  # released or forgotten meanwhile: its own transitions handle it
-        stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
+        stimulus_id = f"{STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
         if run is None:
             self._restart(shuffle_id, stimulus_id)
             return
         spec = run.run_spec.spec
         deps = {spec.transfer_of(dt.key): dt for dt in barrier.dependencies}
-        recs = {ts.key: "released" for i in stale if i in deps for ts in _transfer_chain(deps[i])}
+        recs = {ts.key: "released" for i in stale if i in deps for ts in transfer_chain(deps[i])}
         recs[barrier.key] = "released"
         logger.info(
             "Rechunk %s: %d transfers ran for an older run; running them for run %d",
@@ -404,7 +381,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             run.delivered = True
             run.full_by.clear()
             return
-        if finish == "released" and kwargs.get("stimulus_id", "").startswith(_STALE_STIMULUS):
+        if finish == "released" and kwargs.get("stimulus_id", "").startswith(STALE_STIMULUS):
             return  # _rerun_stale released the barrier: the run goes on, with the reruns
         if finish == "released" and start in ("memory", "processing"):
             # released at the end, or lost with a worker (its result, or the worker running
@@ -421,7 +398,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         if self.active.get(shuffle_id) is not run or run.run_spec.run_id != run_id:
             return
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
-        if barrier is None or barrier.state not in _BARRIER_PENDING:
+        if barrier is None or barrier.state not in BARRIER_PENDING:
             self._close(shuffle_id, reason="barrier released")
 
     def _close(self, shuffle_id: ShuffleId, reason: str) -> SchedulerRun:
@@ -437,368 +414,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.scheduler.send_all({}, {w: [msg] for w in run.workers if w in streams})
         return run
 
-    def remove_worker(
-        self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
-    ) -> None:
-        """A worker left. A run it assembles outputs for continues without it, its outputs
-        moved to the others (see :meth:`_continue_without`), or restarts with a new run id
-        when no other worker of the run is left; a run it only sent shards for goes on
-        without it (see :meth:`_go_on_without`)."""
-        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
-        dataplanes.pop(worker, None)
-        self.waves.forget_worker(worker)
-        for shuffle_id, run in list(self.active.items()):
-            if worker in run.workers and worker not in run.owners:
-                self._go_on_without(shuffle_id, run, worker)
-            elif worker in run.workers and self._can_continue(shuffle_id, run, worker):
-                self._continue_without(shuffle_id, run, worker)
-            elif worker in run.workers:
-                logger.warning(
-                    "Worker %s left during rechunk %s (run %d); restarting it",
-                    worker,
-                    shuffle_id,
-                    run.run_spec.run_id,
-                )
-                self.restarts += 1
-                self._close(shuffle_id, reason=f"worker {worker} left")
-                self._restart(shuffle_id, stimulus_id)
-
-    def _can_continue(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> bool:
-        """Whether the run can go on without ``worker``, an owner: another worker of the run
-        is still there to take its outputs over, and the barrier task has not failed."""
-        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
-        if barrier is None or barrier.state == "erred":
-            return False
-        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
-        others = [w for w in run.run_spec.workers if w != worker]
-        return bool(others) and all(w in self.scheduler.workers and w in dataplanes for w in others)
-
-    def _continue_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
-        """An owner left: continue the run without restarting it.
-
-        The continued run (a new run id) moves the worker's outputs to the others and keeps
-        everything else: the shards on the other workers, and the outputs they assembled.
-        The barrier runs again, and with it every transfer, but a transfer sends only the
-        moved outputs' shards, unless its input's shards may have been lost with the worker
-        (see :meth:`_resend_all`). After the barrier passed, dask released the transfers'
-        results: they all run again, computing their inputs again. (The barrier itself may
-        have been lost with the worker: then it was released already, and the run was left
-        open for this.)
-
-        The other workers hear of the continuation before the barrier is released, with
-        their outputs that are not finished on the scheduler: outputs among them that the
-        worker assembled already, or is assembling (tasks that the release cancels), are kept
-        for the continued run's tasks (their shards are gone).
-        """
-        tasks = self.scheduler.tasks
-        barrier = tasks[barrier_key(shuffle_id)]
-        resend_all = self._resend_all(run, worker, barrier)
-        new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)), resend_all)
-        keep, finished = self._unfinished_outputs(new)
-        moved = new.moved - run.run_spec.moved
-        run.run_spec = new
-        run.owners = new.owners()
-        run.participants.discard(worker)
-        run.departed.add(worker)
-        self._pin(run, moved)
-        msgs = {
-            w: [
-                {
-                    "op": "rechunk_p2p_continue",
-                    "shuffle_id": shuffle_id,
-                    "run_spec": ToPickle(new),
-                    "keep": keep.get(w, []),
-                }
-            ]
-            for w in run.workers
-            if w in self.scheduler.stream_comms
-        }
-        self.scheduler.send_all({}, msgs)  # before the releases below (same stream, in order)
-        recs = {
-            ts.key: "released"
-            for chain in map(_transfer_chain, barrier.dependencies)
-            for ts in chain
-            if ts.state == "memory"
-        }
-        if barrier.state in ("memory", "processing"):  # (released already if it was lost)
-            recs[barrier.key] = "released"
-        self.continuations += 1
-        self.outputs_kept += finished
-        self.outputs_moved += len(moved)
-        logger.warning(
-            "Worker %s left rechunk %s: run %d continues as run %d, %d outputs moved, %d "
-            "finished outputs kept, %d of %d inputs send all their shards again",
-            worker,
-            shuffle_id,
-            new.lineage[-1],
-            new.run_id,
-            len(moved),
-            finished,
-            len(resend_all),
-            len(new.spec.inputs),
-        )
-        stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
-        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
-        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
-
-    def _unfinished_outputs(self, run_spec: RunSpec) -> tuple[dict[str, list[int]], int]:
-        """Per worker, its outputs (not moved) whose tasks are not finished on the scheduler
-        (running, or done on the worker and not reported yet); and how many are finished (in
-        memory, or consumed already)."""
-        spec = run_spec.spec
-        keep: dict[str, list[int]] = {w: [] for w in run_spec.workers}
-        finished = 0
-        for flat in spec.outputs:
-            if flat in run_spec.moved:
-                continue
-            ts = self.scheduler.tasks.get(spec.output_key(flat))
-            if ts is not None and ts.state in _BARRIER_PENDING:
-                keep[run_spec.worker_for(flat)].append(flat)
-            else:
-                finished += 1
-        return keep, finished
-
-    def _pin(self, run: SchedulerRun, outputs: frozenset[int]) -> None:
-        """Restrict the unpack tasks of ``outputs`` to their (new) workers."""
-        spec, tasks = run.run_spec.spec, self.scheduler.tasks
-        pins = {}
-        for flat in sorted(outputs):
-            key = spec.output_key(flat)
-            if key in tasks:
-                run.restricted.setdefault(key, tasks[key].worker_restrictions)
-                pins[key] = {run.run_spec.worker_for(flat)}
-        self.scheduler.set_restrictions(pins)
-
-    def _resend_all(self, run: SchedulerRun, worker: str, barrier: Any) -> frozenset[int]:
-        """The inputs whose shards may have been lost with ``worker``: their transfers send
-        every shard again in the continued run.
-
-        None once a barrier of the run passed (every shard arrived). Before, an input's
-        shards are safe if a transfer that sent all of them finished on a worker that is
-        still there (queued sends are delivered by it); every other input's transfer ran on
-        the worker that left, or has not finished.
-        """
-        if run.delivered:
-            return frozenset()
-        spec = run.run_spec
-        chains = {
-            i: _transfer_chain(dt)
-            for dt in barrier.dependencies
-            for i in spec.spec.transfers[spec.spec.transfer_of(dt.key)]
-        }
-        lost = set()
-        for i in spec.spec.inputs:
-            if run.full_by.get(i, worker) != worker:
-                continue  # every shard queued by a worker still there
-            run.full_by.pop(i, None)
-            chain = chains.get(i, [])
-            where = next(
-                (self._computed_on[t.key] for t in chain if t.key in self._computed_on), None
-            )
-            sent_all = not spec.lineage or i in spec.resend_all
-            if chain and chain[0].state == "memory" and where not in (None, worker) and sent_all:
-                run.full_by[i] = where
-            else:
-                lost.add(i)
-        return frozenset(lost)
-
-    def _go_on_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
-        """A worker that assembles no output of the run left (killed, or retired).
-
-        Before the barrier passed, shards of the transfers it ran may not have been
-        delivered: those transfers run again on other workers (receivers drop shards they
-        already hold) and the barrier waits for them; transfers whose results were lost with
-        the worker are recomputed by the scheduler anyway. After the barrier passed, every
-        shard was delivered and the run needs nothing of the worker.
-        """
-        run.participants.discard(worker)
-        run.departed.add(worker)
-        self.restarts_saved += 1
-        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
-        if barrier is None or barrier.state not in _BARRIER_PENDING:
-            return
-        ran_there = [
-            chain
-            for chain in map(_transfer_chain, barrier.dependencies)
-            if any(self._computed_on.get(ts.key) == worker for ts in chain)
-        ]
-        recs = {ts.key: "released" for chain in ran_there for ts in chain if ts.state == "memory"}
-        if barrier.state == "processing":  # it may have flushed before the worker left
-            recs[barrier.key] = "released"
-        logger.info(
-            "Worker %s (no outputs) left rechunk %s (run %d): running its %d transfers again",
-            worker,
-            shuffle_id,
-            run.run_spec.run_id,
-            len(ran_there),
-        )
-        if recs:
-            stimulus_id = f"{_STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
-            self.scheduler.transitions(recs, stimulus_id=stimulus_id)
-            self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
-
-    def _restart(self, shuffle_id: ShuffleId, stimulus_id: str) -> None:
-        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
-        if barrier is None:
-            return
-        if any(dt.state == "erred" for dt in barrier.dependents) or barrier.state == "erred":
-            return
-        recs = {dt.key: "released" for dt in barrier.dependents}
-        recs[barrier.key] = "released"
-        recs.update({dt.key: "released" for dt in barrier.dependencies})
-        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
-        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
-
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self._computed_on.clear()
         self.waves = TransferWaves()
-
-
-class TransferWaves:
-    """**Loop-confined.** Root transfers handed to the workers in waves: which are given to a
-    worker and not finished, how many each worker has, and the ones still to give.
-
-    The first ``limit`` a worker are given when the graph arrives; past that, when a worker
-    has ``limit // 4`` fewer than its limit left, the next ones (in priority order, still
-    queued by distributed) are given to it. A worker takes each wave's task messages in
-    one step of its event loop: waves of a quarter of the limit keep that step short.
-
-    >>> from types import SimpleNamespace as T
-    >>> waves = TransferWaves()
-    >>> waves.defer([T(key=k, priority=(p,)) for k, p in [("b", 2), ("a", 1)]], 8)
-    >>> for k in "stuvwxyz":
-    ...     waves.assigned(k, "w1")
-    >>> waves.moved("s", "processing", "memory") is None  # 7 left of 8: not yet
-    True
-    >>> waves.moved("t", "processing", "memory")  # 6 left: a wave is due
-    'w1'
-    >>> waves.moved("u", "processing", "memory") is None  # the wave is already due
-    True
-    >>> waves.take({"a": T(state="queued"), "b": T(state="processing")}, "w1")  # b ran already
-    ['a']
-    """
-
-    def __init__(self) -> None:
-        self.limit = 0
-        self._pending: list[tuple[Any, int, Any]] = []  # heap of (priority, sequence, key)
-        self._pending_keys: set[Any] = set()
-        self._sequence = itertools.count()
-        self._given: dict[Any, str] = {}  # key -> worker, while given and not finished
-        self._unfinished: Counter[str] = Counter()
-        self._due: set[str] = set()  # workers with a wave scheduled
-
-    def defer(self, tasks: list[Any], limit: int) -> None:
-        """``tasks`` (with ``.key`` and ``.priority``) wait for a wave; ``limit`` a worker."""
-        self.limit = limit
-        if not tasks:
-            return
-        self._pending.extend((ts.priority, next(self._sequence), ts.key) for ts in tasks)
-        heapq.heapify(self._pending)
-        self._pending_keys.update(ts.key for ts in tasks)
-
-    def assigned(self, key: Any, worker: str) -> None:
-        """``key`` was given to ``worker``."""
-        self._given[key] = worker
-        self._unfinished[worker] += 1
-
-    def moved(self, key: Any, start: str, finish: str) -> str | None:
-        """A transfer's transition; returns the worker to give a wave to, if one is due."""
-        if finish in ("processing", "memory", "erred", "forgotten"):
-            self._pending_keys.discard(key)  # run by distributed's queue, or gone
-            if not self._pending_keys:
-                self._pending.clear()
-        left_processing = start == "processing" and finish != "processing"
-        if not left_processing and finish != "forgotten":  # forgotten: also never sent
-            return None
-        worker = self._given.pop(key, None)
-        if worker is None or worker not in self._unfinished:
-            return None
-        self._unfinished[worker] -= 1
-        left = self.limit - self._unfinished[worker]
-        if self._pending_keys and worker not in self._due and left >= max(self.limit // 4, 1):
-            self._due.add(worker)
-            return worker
-        return None
-
-    def take(self, tasks: dict[Any, Any], worker: str) -> list[Any]:
-        """The next keys for ``worker``: up to its limit, those distributed still queues."""
-        self._due.discard(worker)
-        keys: list[Any] = []
-        while self._pending and len(keys) < self.limit - self._unfinished[worker]:
-            _, _, key = heapq.heappop(self._pending)
-            if key not in self._pending_keys:
-                continue
-            self._pending_keys.discard(key)
-            ts = tasks.get(key)
-            if ts is not None and ts.state == "queued":
-                keys.append(key)
-        if not self._pending_keys:
-            self._pending.clear()
-        return keys
-
-    def forget_worker(self, worker: str) -> None:
-        """``worker`` left: no more waves for it."""
-        self._unfinished.pop(worker, None)
-        self._due.discard(worker)
-
-
-def _root_transfer(scheduler: Any, key: Any) -> Any:
-    """The task of ``key`` if it is a new transfer with no dependencies and no restrictions
-    (its input made inside it); else ``None``."""
-    if TRANSFER_PREFIX not in _key_name(key):
-        return None
-    ts = scheduler.tasks.get(key)
-    if (
-        ts is None
-        or ts.state != "released"
-        or ts.run_spec is None
-        or ts.dependencies
-        or ts.worker_restrictions
-        or ts.host_restrictions
-        or ts.resource_restrictions
-    ):
-        return None
-    return ts
-
-
-def assign_round_robin(
-    tasks: list[Any], threads: dict[str, int], limit: int
-) -> dict[Any, set[str]]:
-    """Keys of ``tasks`` (with ``.key`` and ``.priority``) -> the one worker each is given:
-    in priority order, the workers in turn (sorted by address), each as many tasks in a
-    turn as it has threads, at most ``limit`` a worker; tasks beyond that get none.
-
-    >>> class T:
-    ...     def __init__(self, key, priority): self.key, self.priority = key, priority
-    >>> assign_round_robin([T("c", 3), T("a", 1), T("b", 2)], {"w1": 1, "w2": 2}, 10)
-    {'a': {'w1'}, 'b': {'w2'}, 'c': {'w2'}}
-    >>> assign_round_robin([T("a", 1), T("b", 2), T("c", 3)], {"w1": 1}, 2)
-    {'a': {'w1'}, 'b': {'w1'}}
-    """
-    turn = [w for w in sorted(threads) for _ in range(max(threads[w], 1))]
-    if not turn or limit <= 0:
-        return {}
-    given = dict.fromkeys(threads, 0)
-    pins: dict[Any, set[str]] = {}
-    slots = itertools.cycle(turn)
-    # the first ones only (a graph may hold millions of transfers)
-    for ts in heapq.nsmallest(limit * len(threads), tasks, key=lambda ts: ts.priority):
-        worker = next(w for w in slots if given[w] < limit)
-        given[worker] += 1
-        pins[ts.key] = {worker}
-    return pins
-
-
-def _transfer_chain(dependency: Any) -> list[Any]:
-    """A barrier's dependency and, when it is an alias dask's fusion left (the input's
-    chain fused into a task of another name), the transfer task it points to: to run a
-    transfer again, both are released (releasing the alias alone would return the old
-    result)."""
-    return [dependency] + [
-        ts for ts in dependency.dependencies if TRANSFER_PREFIX in _key_name(ts.key)
-    ]
-
-
-def _key_name(key: Any) -> str:
-    return key[0] if isinstance(key, tuple) else str(key)

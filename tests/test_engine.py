@@ -181,9 +181,9 @@ async def test_process_tuning_applies_only_while_a_run_is_open(c, s, a, b):
     import gc
     import sys
 
-    from rechunk_p2p.worker import plugin as plugin_module
+    from rechunk_p2p.worker import tuning as tuning_module
 
-    malloc = plugin_module._tuning.malloc
+    malloc = tuning_module.PROCESS_TUNING.malloc
     trims = []
     trim = malloc.trim_blocking
     malloc.trim_blocking = lambda: (trims.append(threading.current_thread().name), trim())
@@ -351,9 +351,9 @@ async def test_garbage_frozen_during_a_run_is_collected_once_the_worker_is_idle(
 
 @gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.storage": "disk"})
 async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
-    from rechunk_p2p.worker import plugin as plugin_module
+    from rechunk_p2p.worker import tuning as tuning_module
 
-    malloc = plugin_module._tuning.malloc
+    malloc = tuning_module.PROCESS_TUNING.malloc
     await rechunk_p2p.register(c)
     fut = await _open_gated_run(c, a, b)
     assert {r.storage for w in (a, b) for r in _runs(w).values()} == {"disk"}

@@ -457,9 +457,9 @@ async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expe
     statistics show what it held: each worker at most the shards of its own outputs (half
     the array), within ``storage-memory-fraction`` of its memory limit. Past the budget, the
     outputs that fit it are still filled in memory and only the others' shards spilled."""
-    from rechunk_p2p.worker import plugin as plugin_module
+    from rechunk_p2p.worker import tuning as tuning_module
 
-    malloc = plugin_module._tuning.malloc
+    malloc = tuning_module.PROCESS_TUNING.malloc
     holds = []
     hold = malloc.hold
     malloc.hold = lambda: (holds.append(1), hold())
@@ -604,10 +604,10 @@ async def test_auto_direct_io_follows_the_hosts_spill(c, s, a, b):
     """``disk-direct-io: auto``: unbuffered when the bytes the host's workers spill outgrow
     the page cache's writeback threshold, through the page cache when they fit it."""
     from rechunk_p2p.buffers import direct
-    from rechunk_p2p.worker import plugin as plugin_module
+    from rechunk_p2p.worker import storage_choice as choice_module
 
     writes = []
-    write, threshold = direct.DirectFile.write_blocking, plugin_module.writeback_threshold_bytes
+    write, threshold = direct.DirectFile.write_blocking, choice_module.writeback_threshold_bytes
 
     def counted_write(self, views, offset):
         writes.append(offset)
@@ -620,11 +620,11 @@ async def test_auto_direct_io_follows_the_hosts_spill(c, s, a, b):
     direct.DirectFile.write_blocking = counted_write
     try:
         for limit in (arr.nbytes - 1, arr.nbytes):  # both workers on this host: all of it
-            plugin_module.writeback_threshold_bytes = lambda limit=limit: limit
+            choice_module.writeback_threshold_bytes = lambda limit=limit: limit
             check_result(await c.compute(rechunk_p2p.rechunk(x, (128, 16, 16))), arr)
             await assert_clean(s, a, b)
             seen.append(len(writes))
     finally:
         direct.DirectFile.write_blocking = write
-        plugin_module.writeback_threshold_bytes = threshold
+        choice_module.writeback_threshold_bytes = threshold
     assert seen[0] > 0 and seen[1] == seen[0]  # unbuffered first, then through the cache

@@ -4,7 +4,7 @@ that, not a few at a time.
 The scheduler plugin restricts each transfer task whose input is made inside it to one
 worker (loosely), so distributed's root-task queuing does not hold them back; see
 :meth:`rechunk_p2p.scheduler.RechunkSchedulerPlugin.update_graph` and
-:class:`rechunk_p2p.scheduler.TransferWaves`.
+:class:`rechunk_p2p.waves.TransferWaves`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from distributed import SchedulerPlugin
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
-from rechunk_p2p.scheduler import _key_name, _root_transfer, assign_round_robin
 from rechunk_p2p.spec import TRANSFER_PREFIX
+from rechunk_p2p.waves import assign_round_robin, key_name, root_transfer
 
 
 def _cluster(limit: int | None = None):
@@ -55,13 +55,13 @@ class TransferLog(SchedulerPlugin):
         self.most_at_once: Counter = Counter()  # worker -> most transfers processing there
 
     def transition(self, key, start, finish, *args, **kwargs):
-        if finish != "processing" or TRANSFER_PREFIX not in _key_name(key):
+        if finish != "processing" or TRANSFER_PREFIX not in key_name(key):
             return
         ts = self.scheduler.tasks[key]
         restricted = frozenset(ts.worker_restrictions or ())
         where = ts.processing_on.address
         self.seen.setdefault(key, (start, restricted, ts.loose_restrictions, where))
-        now = sum(TRANSFER_PREFIX in _key_name(t.key) for t in ts.processing_on.processing)
+        now = sum(TRANSFER_PREFIX in key_name(t.key) for t in ts.processing_on.processing)
         self.most_at_once[where] = max(self.most_at_once[where], now)
 
 
@@ -173,5 +173,5 @@ def test_only_new_unrestricted_transfers_without_dependencies_are_assigned():
     }
     for case, (k, ts, assigned) in cases.items():
         scheduler = SimpleNamespace(tasks={k: ts})
-        assert (_root_transfer(scheduler, k) is ts) is assigned, case
-    assert _root_transfer(SimpleNamespace(tasks={}), key) is None
+        assert (root_transfer(scheduler, k) is ts) is assigned, case
+    assert root_transfer(SimpleNamespace(tasks={}), key) is None

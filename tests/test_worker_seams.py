@@ -22,7 +22,7 @@ from distributed import Reschedule
 from distributed.utils_test import gen_test
 
 from rechunk_p2p.errors import RechunkCommError, RechunkRunError, StaleRunError
-from rechunk_p2p.worker import plugin as plugin_module
+from rechunk_p2p.worker import tuning as tuning_module
 from tests.worker_fakes import (
     SHUFFLE,
     FakeScheduler,
@@ -55,7 +55,7 @@ def seam(tmp_path):
 
     @contextlib.asynccontextmanager
     async def make(storage: str = "memory", run_id: int = 1, workers=WORKERS, columns=COLUMNS):
-        tuning_before = plugin_module._tuning._users
+        tuning_before = tuning_module.PROCESS_TUNING._users
         scheduler = FakeScheduler(make_run_spec(workers, run_id, storage, ROWS, columns))
         network = Network()
         plugins = [fake_worker(w, scheduler, network, str(tmp_path / w)) for w in workers]
@@ -105,7 +105,7 @@ def assert_nothing_left(plugins, tmp_path, tuning_before: int) -> None:
     for p in plugins:
         assert not p.runs
         assert p.dataplane.limiter.used == 0
-    assert plugin_module._tuning._users == tuning_before  # every run released it
+    assert tuning_module.PROCESS_TUNING._users == tuning_before  # every run released it
     leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []
 
@@ -173,7 +173,7 @@ async def test_closing_the_last_run_after_the_offload_pool_stopped_gives_back_ma
 ):
     # the worker is closing: its pool stopped between freeing the store and the trim after
     # the last run; the run still closes, and malloc's thresholds are set back
-    malloc = plugin_module._tuning.malloc
+    malloc = tuning_module.PROCESS_TUNING.malloc
     async with seam("memory") as (_, _, plugins):
         assert await transfer_all(plugins) == [1] * ROWS
         assert malloc.held == malloc.available

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 import time
 import warnings
@@ -28,15 +27,20 @@ from dask.utils import format_bytes, format_time, parse_bytes
 from rechunk_p2p import config
 from rechunk_p2p.arrays import plan_array, rechunk_array
 from rechunk_p2p.cluster import cluster_statistics
-from rechunk_p2p.errors import ClusterError, RechunkInputError
+from rechunk_p2p.errors import RechunkInputError
+from rechunk_p2p.integrations.local_client import client_for
 from rechunk_p2p.integrations.zarr_input import (
     ArrayLayout,
     ZarrRechunkJob,
     check_zarr_rechunk,
-    dimension_names,
-    local_root,
     open_source,
     resolve_layouts,
+)
+from rechunk_p2p.integrations.zarr_target import (
+    consolidate,
+    create_target,
+    describe,
+    is_consolidated,
 )
 
 __all__ = [
@@ -283,7 +287,7 @@ class ZarrRechunk:
         size = format_bytes(sum(lay.nbytes for lay in job.layouts))
         budget = f", max_mem {format_bytes(self._max_mem)}" if self._max_mem else ""
         return (
-            f"<ZarrRechunk {_describe(job.root)} -> {job.dest}: {len(job.layouts)} array(s), "
+            f"<ZarrRechunk {describe(job.root)} -> {job.dest}: {len(job.layouts)} array(s), "
             f"{n} rechunked, {size}{budget}; call .execute()>"
         )
 
@@ -316,7 +320,7 @@ class ZarrRechunk:
         if storage is None and client is not None:
             storage = _storage_within(self._max_mem, self.plan, client)
         self._job.dest.clear()
-        targets = _create_target(self._job)
+        targets = create_target(self._job)
         return store_arrays(self._job.layouts, targets, storage=storage, limit=self._max_mem)
 
     def _claim(self) -> None:
@@ -329,20 +333,20 @@ class ZarrRechunk:
         is removed."""
         self._claim()
         job = self._job
-        with _client(self._client) as client, _lag_probe(client) as probe:
+        with client_for(self._client) as client, _lag_probe(client) as probe:
             before = cluster_statistics(client)
             start = time.perf_counter()
             try:
                 _run(client, self._stored(client), progress=self._progress)
-                if _is_consolidated(job.root):
-                    _consolidate(job.dest.location, job.zarr_format)
+                if is_consolidated(job.root):
+                    consolidate(job.dest.location, job.zarr_format)
             except BaseException:
                 job.dest.remove()
                 raise
             seconds = time.perf_counter() - start
             after = cluster_statistics(client)
         return ZarrRechunkReport(
-            source=_describe(job.root),
+            source=describe(job.root),
             target=str(job.dest),
             zarr_format=job.zarr_format,
             arrays=job.layouts,
@@ -484,143 +488,3 @@ def _run(client: distributed.Client, stored: list[da.Array], *, progress: bool) 
                 future.result()  # raises the task's error
     finally:
         client.cancel(futures)  # release the results, and stop the work after an error
-
-
-def _create_target(job: ZarrRechunkJob) -> list[zarr.Array]:
-    """Create the target's groups and empty arrays; return the arrays in layout order."""
-    root, layouts, location = job.root, job.layouts, job.dest.location
-    fmt, options = job.zarr_format, job.array_options
-    if isinstance(root, zarr.Array):
-        kwargs = _array_kwargs(layouts[0], fmt, options)
-        return [zarr.create_array(location, zarr_format=fmt, **kwargs)]  # a group sets it
-    group = zarr.open_group(location, mode="w-", zarr_format=fmt, attributes=dict(root.attrs))
-    subgroups = sorted(
-        name for name, node in root.members(max_depth=None) if isinstance(node, zarr.Group)
-    )
-    for name in subgroups:
-        group.create_group(name, attributes=dict(root[name].attrs))
-    return [group.create_array(lay.name, **_array_kwargs(lay, fmt, options)) for lay in layouts]
-
-
-def _array_kwargs(layout: ArrayLayout, fmt: int, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of ``create_array`` that reproduce the source in the new layout."""
-    src = layout.source
-    attrs = dict(src.attrs)
-    attrs.pop("_ARRAY_DIMENSIONS", None)
-    kwargs: dict[str, Any] = {
-        "shape": src.shape,
-        "dtype": src.dtype,
-        "chunks": layout.chunks,
-        "shards": layout.shards,
-    }
-    if src.fill_value is not None or fmt == 2:
-        kwargs["fill_value"] = src.fill_value
-    dims = dimension_names(src)
-    if fmt == 3:
-        kwargs["dimension_names"] = dims
-    elif dims is not None:
-        attrs["_ARRAY_DIMENSIONS"] = list(dims)
-    if src.metadata.zarr_format == fmt:
-        kwargs.update(_codecs(src))
-    kwargs["attributes"] = attrs
-    kwargs.update(options)
-    return kwargs
-
-
-def _codecs(src: zarr.Array) -> dict[str, Any]:
-    """Codecs, order and chunk key encoding of ``src``, to reuse in the same format."""
-    kwargs: dict[str, Any] = {"compressors": src.compressors, "filters": src.filters}
-    if src.metadata.zarr_format == 3:
-        kwargs["serializer"] = src.serializer
-        kwargs["chunk_key_encoding"] = src.metadata.chunk_key_encoding
-    else:
-        separator = src.metadata.dimension_separator
-        kwargs["chunk_key_encoding"] = {"name": "v2", "separator": separator}
-        kwargs["order"] = src.order  # format 3 keeps the order in the runtime config
-    return kwargs
-
-
-def _is_consolidated(root: zarr.Array | zarr.Group) -> bool:
-    return isinstance(root, zarr.Group) and root.metadata.consolidated_metadata is not None
-
-
-def _consolidate(location: Any, fmt: int) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
-        zarr.consolidate_metadata(location, zarr_format=fmt)
-
-
-def _describe(root: zarr.Array | zarr.Group) -> str:
-    return local_root(root.store, root.path) or repr(root)
-
-
-@contextlib.contextmanager
-def _client(given: distributed.Client | str | None = None) -> Iterator[distributed.Client]:
-    """``given`` (a client, or a scheduler's address to connect to), else the current client,
-    else a LocalCluster sized to the machine for the block."""
-    if isinstance(given, distributed.Client):
-        yield given
-        return
-    if isinstance(given, str):
-        try:
-            connected = distributed.Client(given, timeout="10s")
-        except (OSError, TimeoutError) as e:
-            raise ClusterError(f"Cannot reach the scheduler at {given}: {e}") from None
-        with connected:
-            yield connected
-        return
-    try:
-        client = distributed.get_client()
-    except ValueError:
-        client = None
-    if client is not None:
-        yield client
-        return
-    _require_main_guard()
-    with (
-        distributed.LocalCluster(dashboard_address=":0") as cluster,
-        distributed.Client(cluster) as client,
-    ):
-        yield client
-
-
-def _require_main_guard() -> None:
-    """Refuse to start worker processes from a script's unguarded top level.
-
-    The worker processes of a LocalCluster re-run the main script from the top; a call at
-    its top level would start clusters without end (hundreds of lines of errors). The call
-    is found in the stack and the script's source tells whether it sits under
-    ``if __name__ == "__main__":``.
-    """
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    frame = sys._getframe(1)
-    while frame is not None and not (
-        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
-    ):
-        frame = frame.f_back
-    if frame is None or path is None or frame.f_code.co_filename != path:
-        return
-    if not _is_guarded(path, frame.f_lineno):
-        raise ClusterError(
-            f"{os.path.basename(path)} line {frame.f_lineno}: rechunk_zarr starts a local "
-            "cluster whose worker processes re-run this script from the top; put the call "
-            'under `if __name__ == "__main__":`, or pass client= (a Client or an address)'
-        )
-
-
-def _is_guarded(path: str, line: int) -> bool:
-    """Whether ``line`` of the script at ``path`` is inside ``if __name__ == "__main__":``."""
-    import ast
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return True  # cannot tell: let it run
-    return any(
-        isinstance(node, ast.If)
-        and "__main__" in ast.unparse(node.test)
-        and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
-        for node in ast.walk(tree)
-    )

@@ -7,10 +7,10 @@ A P2P rechunk pays three kinds of cost, whatever engine runs it:
 - **per task**: distributed's own work for each task (the scheduler's transitions and
   messages, the worker's bookkeeping around the task thread);
 - **per piece** (an input chunk's part of an output chunk, a *shard* inside the engine):
-  cutting it, its header, placing it, and the scheduler ordering the graph before anything
-  runs, which for a sub-shuffle takes time in proportion to its input chunks times its
-  output chunks (``dask.order`` walks every output for every input; for an all-to-all
-  rechunk that is the number of pieces);
+  cutting it, its header, placing it; and the scheduler ordering the graph before anything
+  runs, which for a sub-shuffle takes time in proportion to its transfer tasks times its
+  output chunks (``dask.order`` walks every output for every root of the graph, and a
+  sub-shuffle's roots are its transfers, or the held tasks beside them);
 - **per byte**: copies and the loopback network.
 
 The unit costs are this project's measurements on its 2-core benchmark machine (see
@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 #: Seconds of one task, scheduler and worker together.
 SECONDS_PER_TASK = 1.0e-3
-#: Seconds of one piece: the engine's cut, header and placement (0.3 us) and the scheduler's
-#: ordering of the graph (0.5 us per input and output chunk pair of a sub-shuffle).
-SECONDS_PER_PIECE = 0.8e-6
+#: Seconds of one piece: the engine's cut, header and placement.
+SECONDS_PER_PIECE = 0.3e-6
+#: Seconds of the scheduler's ordering per transfer task and output chunk of a sub-shuffle.
+SECONDS_PER_ORDERED_PAIR = 0.5e-6
 #: Seconds of one byte shuffled: two memory copies and, for half of it, the loopback network.
 SECONDS_PER_BYTE = 1.0 / 1.5e9
 #: A piece smaller than this costs more in its own handling than in its bytes.
@@ -53,16 +54,16 @@ class CostEstimate:
         return max(shares, key=shares.__getitem__)
 
 
-def estimate(n_tasks: int, n_pieces: int, nbytes: int) -> CostEstimate:
+def estimate(n_tasks: int, n_pieces: int, nbytes: int, n_ordered: int = 0) -> CostEstimate:
     """The estimate for a rechunk of ``n_tasks`` tasks and ``n_pieces`` pieces shuffling
-    ``nbytes``.
+    ``nbytes``, whose sub-shuffles have ``n_ordered`` pairs of a transfer task and an output
+    chunk in all (counted with the pieces).
 
     >>> estimate(2, 1_000_000, 0).dominant
     'pieces'
     """
-    return CostEstimate(
-        n_tasks * SECONDS_PER_TASK, n_pieces * SECONDS_PER_PIECE, nbytes * SECONDS_PER_BYTE
-    )
+    pieces = n_pieces * SECONDS_PER_PIECE + n_ordered * SECONDS_PER_ORDERED_PAIR
+    return CostEstimate(n_tasks * SECONDS_PER_TASK, pieces, nbytes * SECONDS_PER_BYTE)
 
 
 def piece_advice(

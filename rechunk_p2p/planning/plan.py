@@ -333,7 +333,18 @@ class RechunkPlan:
     @property
     def cost(self) -> CostEstimate:
         """Estimated seconds by kind of cost (see :mod:`rechunk_p2p.planning.cost`)."""
-        return estimate(self.n_tasks, self.n_shards, self.bytes_shuffled)
+        return estimate(self.n_tasks, self.n_shards, self.bytes_shuffled, self.n_ordered)
+
+    @property
+    def n_ordered(self) -> int:
+        """Pairs of a transfer task and an output chunk, summed over the shuffled partials
+        (what the scheduler's ordering of the graph takes time in; where held chunks share
+        transfers, their count bounds each partial's)."""
+        return sum(
+            min(p.n_inputs, self.held_transfers or p.n_inputs) * p.n_outputs
+            for p in self.partials
+            if p.needs_shuffle
+        )
 
     @property
     def warning(self) -> str | None:

@@ -9,20 +9,15 @@ worker's loop each, and only when the run is not known here yet).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
-import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-from dask.utils import parse_timedelta
 from distributed import Reschedule, WorkerPlugin
-from distributed.comm import get_address_host
 from distributed.core import clean_exception
 from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
@@ -30,10 +25,8 @@ from distributed.protocol.serialize import ToPickle
 from rechunk_p2p import config
 from rechunk_p2p.buffers import make_store
 from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
-from rechunk_p2p.buffers.direct import writeback_threshold_bytes
-from rechunk_p2p.buffers.disk import ENGINE_DIRECTORY
+from rechunk_p2p.buffers.files import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
-from rechunk_p2p.buffers.pages import OUTPUT_PAGES
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import (
     BROKEN_CONNECTION,
@@ -51,9 +44,11 @@ from rechunk_p2p.spec import (
     RunSpec,
     ShuffleId,
 )
-from rechunk_p2p.worker.allocator import MallocTuning
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
+from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage
+from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
+from rechunk_p2p.worker.tuning import UNFREEZE_IDLE_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +72,7 @@ class WorkerTotals:
     max_bytes_queued: int = 0  # the most any one run had queued for sending at once
     phases: PhaseSeconds = field(default_factory=PhaseSeconds)
     max_bytes_stored_in_memory: int = 0  # the most any one run's store held in memory
+    messages_sent: int = 0
 
     def plus(self, run: RunStatistics) -> WorkerTotals:
         """These totals with one more run counted."""
@@ -88,6 +84,7 @@ class WorkerTotals:
             max(self.max_bytes_queued, run.max_bytes_queued),
             self.phases + run.phases,
             max(self.max_bytes_stored_in_memory, run.max_bytes_stored_in_memory),
+            self.messages_sent + run.messages_sent,
         )
 
 
@@ -170,7 +167,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """On the worker loop, for every task's transition: a transfer task arriving freezes
-        the process's objects (:meth:`_ProcessTuning.freeze_early`)."""
+        the process's objects (:meth:`ProcessTuning.freeze_early`)."""
         if (
             start == "released"
             and self._freeze_early
@@ -264,7 +261,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
-        storage, in_memory = self._resolve_storage(run_spec)
+        address = self.worker.address
+        limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
+        storage, in_memory = resolve_storage(run_spec, address, limit)
         directory = os.path.join(self.worker.local_directory, ENGINE_DIRECTORY)
         spec, partial = run_spec.spec, run_spec.spec.partial
         known = not spec.unknown_axes  # outputs can be filled as their shards come
@@ -274,7 +273,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             directory=directory,
             name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
             buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
-            direct_io=self._direct_io(run_spec, storage),
+            direct_io=direct_io(run_spec, storage, address, limit),
             partial=partial if known else None,
             in_memory=in_memory,
         )
@@ -329,72 +328,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def _closing(self) -> bool:
         """Whether the worker is closing (read from any thread)."""
         return worker_closing(self.worker)
-
-    def _resolve_storage(self, run_spec: RunSpec) -> tuple[str, np.ndarray | None]:
-        """The run's store kind here and, for ``"memory+disk"``, which outputs stay in memory.
-
-        ``auto``: memory when this worker's share of the run fits ``storage-memory-fraction``
-        of its memory limit. When it does not, the first of this worker's outputs that fit
-        that budget are filled in memory and the others spilled (``"memory+disk"``); disk
-        when none fits, or outputs cannot be filled as they come (unknown chunk sizes,
-        object dtype).
-        """
-        storage = run_spec.spec.storage
-        if storage != "auto":
-            return storage, None
-        budget = self._memory_budget()
-        if budget is None:
-            return "memory", None
-        estimate = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
-        if estimate <= budget:
-            return "memory", None
-        in_memory = self._outputs_within(run_spec, budget)
-        return ("disk", None) if in_memory is None else ("memory+disk", in_memory)
-
-    def _memory_budget(self) -> float | None:
-        """Bytes of shards ``auto`` lets a run hold in memory here (``storage-memory-fraction``
-        of the memory limit); ``None`` for a worker without a limit."""
-        limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
-        return limit * config.get("storage-memory-fraction") if limit else None
-
-    def _direct_io(self, run_spec: RunSpec, storage: str) -> bool | None:
-        """``disk-direct-io`` for the run's store here. ``auto``: not when the shards this
-        host's workers are expected to spill (this worker's share of the run, beyond its
-        memory budget, times the run's workers on this host) fit within the page cache's
-        writeback threshold: the cache holds them then, and serves them back from memory;
-        else the store decides by its first write (``None``)."""
-        chosen = config.direct_io()
-        if chosen is not None or storage not in ("disk", "memory+disk"):
-            return chosen
-        threshold = writeback_threshold_bytes()
-        if threshold is None:
-            return False
-        share = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
-        if storage == "memory+disk":
-            share -= self._memory_budget() or 0
-        host = _host(self.worker.address)
-        here = sum(_host(w) == host for w in run_spec.workers)
-        return None if share * max(here, 1) > threshold else False
-
-    def _outputs_within(self, run_spec: RunSpec, budget: float) -> np.ndarray | None:
-        """One boolean per flat output: this worker's first outputs (ascending) whose bytes
-        add up to at most ``budget``; ``None`` when none fits or outputs cannot be filled as
-        their shards come."""
-        spec = run_spec.spec
-        if spec.unknown_axes or spec.dtype.hasobject:
-            return None
-        if self.worker.address not in run_spec.workers:
-            return None
-        outputs = spec.outputs_array
-        position = run_spec.workers.index(self.worker.address)
-        mine = outputs[run_spec.owner_positions(outputs) == position]
-        nbytes = spec.partial.output_sizes(mine) * spec.dtype.itemsize
-        fits = np.cumsum(nbytes) <= budget
-        if not fits.any():
-            return None
-        in_memory = np.zeros(spec.partial.n_outputs, dtype=bool)
-        in_memory[mine[fits]] = True
-        return in_memory
 
     async def _close_run(self, run: WorkerRun) -> None:
         """Forget ``run`` here and close it. Its figures move to the totals in the same step
@@ -579,161 +512,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
         for stats in open_stats:
             totals = totals.plus(stats)
         return totals
-
-
-#: How long a worker runs no task and holds no run before the objects frozen for runs are
-#: unfrozen and collected (:meth:`_ProcessTuning.unfreeze_unused`)
-UNFREEZE_IDLE_SECONDS = 1.0
-
-#: Most objects frozen while runs are open; past it, full collections walk the rest as usual
-#: (garbage cycles among frozen objects wait for the unfreeze: this bounds them)
-_MAX_FROZEN_OBJECTS = 2_000_000
-
-
-class _ProcessTuning:
-    """**Thread-safe (guarded by `_lock`).** Interpreter settings that keep the event loop
-    responsive, applied while any run is open in this process, or being asked for, and
-    undone when the last one closes, so that other work on the cluster sees the interpreter
-    as its user set it.
-
-    - The GIL switch interval: a thread waiting for the GIL (the event loop, after its timer
-      fired) waits up to one interval per hand-over while task, data-plane and offload
-      threads run Python code; a shorter interval bounds how long the loop waits.
-    - ``gc.freeze``: every full garbage collection walks every tracked object of the process
-      and stops all its threads, the loop included. Freezing the objects that exist when the
-      first run opens (modules, distributed's own state, the user's data) leaves them out of
-      later collections, and freezing the survivors of each full collection while runs are
-      open keeps the next one to what was made since: distributed's per-task state grows
-      with every task the worker holds, and with tens of thousands of tasks a full
-      collection of it took 100-300 ms. The objects are also frozen when a transfer task
-      reaches the worker (:meth:`freeze_early`): a worker takes a graph's task messages in
-      one step of its loop, and their allocations can set off a full collection before its
-      first run opens. Garbage cycles among frozen objects wait for ``gc.unfreeze``, which
-      hands everything back to the oldest generation, and the full collection that follows
-      (:meth:`unfreeze_unused`); both wait until no run has been open for a while, when
-      the worker is idle (a collection of what a rechunk of 64 KiB chunks left took
-      110-180 ms, and coming right after a run it stopped the next one's first steps). At
-      most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they are:
-      ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for the
-      120,000-160,000 of a worker process after a 3-D rechunk.
-    - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`), when
-      the first run keeps shards in memory (``memory``, ``memory+disk``): arrays up to
-      32 MiB come from memory freed before instead of fresh pages; the free memory is given
-      back when the last run closes.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._switch: float | None = None
-        self._frozen = False  # objects frozen (by a run, or early), not yet unfrozen
-        self._collecting = False  # survivors of full collections are frozen too
-        #: survivors frozen since the first run opened (``_freeze_survivors`` adds to it)
-        self.survivors_frozen = 0
-        self.malloc = MallocTuning()
-        self._output_pages = False  # OUTPUT_PAGES opened by a run
-
-    def acquire(
-        self, interval: Any, freeze: bool, malloc: bool = False, output_pages: bool = False
-    ) -> None:
-        """A run opens: apply the settings (the GIL switch ``interval``, ``None`` to leave
-        it; whether to ``freeze`` survivors of collections; whether to hold ``malloc``'s
-        thresholds; whether to keep freed outputs' pages for the next outputs)."""
-        with self._lock:
-            self._users += 1
-            if malloc:  # also when another run, or a run's request, holds the rest
-                self.malloc.hold()
-            if output_pages and not self._output_pages:
-                OUTPUT_PAGES.open()
-                self._output_pages = True
-            if self._users > 1:
-                return
-            if interval is not None:
-                self._switch = sys.getswitchinterval()
-                sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
-            if freeze:  # O(1): moves the tracked objects aside, traverses nothing
-                gc.freeze()
-                gc.callbacks.append(_freeze_survivors)
-                self._frozen = self._collecting = True
-
-    def release(self) -> Callable[[], None] | None:
-        """A run closed; when it was the last, undo the settings but the freeze (see
-        :meth:`unfreeze_unused`). Returns blocking work to run in a thread: unmapping the
-        freed outputs' pages kept, and giving back the memory malloc kept."""
-        with self._lock:
-            self._users -= 1
-            if self._users:
-                return None
-            if self._switch is not None:
-                sys.setswitchinterval(self._switch)
-                self._switch = None
-            if self._collecting:
-                gc.callbacks.remove(_freeze_survivors)
-                self._collecting = False
-            unmap = None
-            if self._output_pages:
-                unmap = OUTPUT_PAGES.close()
-                self._output_pages = False
-            trim = self.malloc.trim_blocking if self.malloc.release() else None
-        if unmap is None or trim is None:
-            return unmap or trim
-
-        def unmap_and_trim_blocking() -> None:
-            unmap()
-            trim()
-
-        return unmap_and_trim_blocking
-
-    def freeze_early(self) -> None:
-        """A transfer task reached the worker: freeze the objects that exist, unless a run
-        holds the settings already. O(1); undone by :meth:`unfreeze_unused`."""
-        with self._lock:
-            if not self._users:
-                gc.freeze()
-                self._frozen = True
-
-    @property
-    def frozen_unused(self) -> bool:
-        """Objects are frozen and no run (or request for one) holds the settings."""
-        with self._lock:
-            return self._frozen and not self._users
-
-    def unfreeze_unused(self) -> bool:
-        """When no run holds the settings: unfreeze, and collect what the runs left (a full
-        collection, which stops every thread of the process). Returns whether it did."""
-        with self._lock:
-            if self._users or not self._frozen:
-                return False
-            gc.unfreeze()
-            self._frozen = False
-            self.survivors_frozen = 0
-        gc.collect()
-        return True
-
-
-def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
-    """A ``gc.callbacks`` entry while runs are open: after a full collection, freeze its
-    survivors. Runs in whichever thread collected, holding the GIL; takes time in the
-    number of survivors (the oldest generation holds only them), which the collection
-    itself just walked."""
-    if phase != "stop" or info["generation"] != 2:
-        return
-    survivors = len(gc.get_objects(generation=2))
-    if _tuning.survivors_frozen + survivors <= _MAX_FROZEN_OBJECTS:
-        _tuning.survivors_frozen += survivors
-        gc.freeze()
-
-
-_tuning = _ProcessTuning()
-
-
-def _host(address: str) -> str:
-    """The host of a worker's address (the address itself where it names no host and port,
-    as in-process test seams do)."""
-    try:
-        return get_address_host(address)
-    except ValueError:
-        return address
 
 
 def _checked(response: dict) -> dict:

@@ -13,27 +13,25 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
 from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
-from rechunk_p2p.buffers.base import Shard, ShardStore, empty_output, place_blocking
+from rechunk_p2p.buffers.base import ShardStore, empty_output, place_blocking
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.cuts import CutBuffers
 from rechunk_p2p.buffers.joined import JoinedBlocks
 from rechunk_p2p.buffers.split import SplitStore
 from rechunk_p2p.buffers.wire import (
     Packed,
-    cut_regular_blocking,
-    pack_blocking,
-    pack_blocks,
 )
 from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, widen
+from rechunk_p2p.worker.cutting import InputCutter, position_in
 from rechunk_p2p.worker.dataplane import DataPlane
 
 logger = logging.getLogger(__name__)
@@ -107,6 +105,7 @@ class RunStatistics:
     bytes_spilled: int
     bytes_buffered: int
     max_bytes_queued: int = 0  # most bytes this run had queued for sending at once
+    messages_sent: int = 0  # batches sent to other workers (one message each)
     max_bytes_stored_in_memory: int = 0  # most shard bytes its store held in memory at once
     phases: PhaseSeconds = field(default_factory=PhaseSeconds)
 
@@ -178,13 +177,12 @@ class WorkerRun:
         self._recent_outputs = recent_outputs
         # the store copies shards into their outputs as they come (it keeps no views)
         self._assembles = isinstance(store, AssemblingMemoryStore)
-        # buffers the task threads cut input chunks into, used again (see _cut_blocking)
+        # buffers the task threads cut input chunks into, used again (see InputCutter)
         # (recent_outputs is the worker's number of task threads: a thread's buffer is free
         # again about two inputs later, when that input's batches were delivered); the idle
         # ones stay within the worker's send buffer (comm.buffer-bytes-limit)
         self._cuts = CutBuffers(max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit)
-        # (id of an outputs array, run id) -> (the array, its destinations): see _destinations
-        self._sends: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
+        self._cutter = InputCutter(worker_address, storage, self._assembles)
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -218,15 +216,8 @@ class WorkerRun:
         self._phase = phase
         return previous
 
-    @property
-    def _position(self) -> int:
-        return self._position_in(self.run_spec)
-
     def _position_in(self, run_spec: RunSpec) -> int:
-        """This worker's position in ``run_spec``; -2 for a worker that joined after the run
-        started (it owns nothing and sends everything)."""
-        workers = run_spec.workers
-        return workers.index(self.worker_address) if self.worker_address in workers else -2
+        return position_in(run_spec, self.worker_address)
 
     def _raise_if_closed(self) -> None:
         if self.phase is RunPhase.CLOSED:
@@ -261,7 +252,7 @@ class WorkerRun:
         start = time.perf_counter()
         scratch = self._cuts.take(data.nbytes)
         try:
-            local, remote = self._cut_blocking(run_spec, flat, data, scratch)
+            local, remote = self._cutter.cut_blocking(run_spec, flat, data, scratch)
             if isinstance(local, Packed):
                 nbytes = self._store.write_packed_blocking([local])
             else:
@@ -279,108 +270,6 @@ class WorkerRun:
             self._seconds["cut"] += cut - start
             self._seconds["queue_wait"] += time.perf_counter() - cut
         return run_spec.run_id
-
-    def _cut_blocking(
-        self,
-        run_spec: RunSpec,
-        flat: int,
-        data: np.ndarray | JoinedBlocks,
-        scratch: np.ndarray | None = None,
-    ) -> tuple[Packed | list[Shard], dict[str, Packed]]:
-        """The shards of input ``flat`` that stay here, and one batch per other worker.
-
-        Regular cuts (pieces of one length along each axis, the usual case) are done for the
-        whole chunk at once: one strided copy lays every shard out contiguously, grouped by
-        destination, and each batch's payload is a view of that copy. Other cuts are copied
-        shard by shard.
-
-        With ``scratch`` (a buffer of :class:`CutBuffers`, used again once this input's
-        batches are delivered) the strided copy goes there, and the other workers' batches
-        view it; this worker's shards are copied out of it for a store that keeps what it
-        is given (the assembling store copies them into their outputs at once).
-        """
-        spec = run_spec.spec
-        _, slices = spec.partial.input_cuts(flat)
-        slices = [[slice(None)] if a in spec.unknown_axes else s for a, s in enumerate(slices)]
-        outputs = spec.partial.input_outputs(flat)
-        me = self._position_in(run_spec)
-        lengths = spec.partial.input_cut_lengths(flat)
-        blocks = cut_regular_blocking(data, slices, spec.dtype, out=scratch, lengths=lengths)
-        if blocks is None:
-            data = np.asarray(data)
-            positions = run_spec.send_positions(flat, outputs)
-            return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
-        local: list[Shard] = []
-        here: Packed | None = None
-        remote: dict[str, Packed] = {}
-        for position, chosen in self._destinations(run_spec, flat, outputs):
-            lo, hi = int(chosen[0]), int(chosen[-1]) + 1
-            part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
-            if position != me:
-                packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
-                remote[run_spec.dataplanes[position]] = packed
-                continue
-            if not self._assembles:
-                # the store keeps it (memory, or the disk store's write buffer): a copy of
-                # its own, not a view of the buffer the next input is cut into
-                part = part.copy()
-            if self.storage == "memory" and not self._assembles:
-                local.extend(zip(outputs[chosen].tolist(), [flat] * len(chosen), part))
-            else:  # stored as one batch, as a received one is
-                here = pack_blocks(outputs[chosen], flat, part, spec.dtype)
-        return (local if here is None else here), remote
-
-    def _destinations(
-        self, run_spec: RunSpec, flat: int, outputs: np.ndarray
-    ) -> list[tuple[int, np.ndarray]]:
-        """Per worker position that input ``flat`` sends shards to, the positions among
-        ``outputs`` of those shards: the same for every input cut alike in a run that
-        continues none (computed once per cut then; ``outputs`` is the partial's shared
-        array), else per input (a continued run sends only some inputs' shards)."""
-        key = (id(outputs), run_spec.run_id)
-        if not run_spec.lineage:
-            with self._lock:
-                hit = self._sends.get(key)
-            if hit is not None and hit[0] is outputs:
-                return hit[1]
-        positions = run_spec.send_positions(flat, outputs)
-        found = [
-            (position, np.flatnonzero(positions == position))
-            for position in np.unique(positions[positions >= 0]).tolist()
-        ]
-        if not run_spec.lineage:
-            with self._lock:
-                self._sends[key] = (outputs, found)
-        return found
-
-    def _cut_each_blocking(
-        self,
-        run_spec: RunSpec,
-        flat: int,
-        data: np.ndarray,
-        outputs: np.ndarray,
-        slices: list[list[slice]],
-        positions: np.ndarray,
-        me: int,
-    ) -> tuple[list[Shard], dict[str, Packed]]:
-        """:meth:`_cut_blocking` shard by shard (irregular cuts, object dtype)."""
-        copy_local = self.storage == "memory" and not self._assembles
-        local: list[Shard] = []
-        remote: defaultdict[str, list[Shard]] = defaultdict(list)
-        for out, position, piece in zip(
-            outputs.tolist(), positions.tolist(), itertools.product(*slices)
-        ):
-            if position < 0:
-                continue  # culled away
-            view = data[piece]
-            if position == me:
-                # the memory store keeps what it gets: copy, so the input chunk can be freed;
-                # the disk store copies views into its file itself
-                local.append((out, flat, np.array(view, order="C") if copy_local else view))
-            else:
-                remote[run_spec.dataplanes[position]].append((out, flat, view))
-        dtype = run_spec.spec.dtype
-        return local, {addr: pack_blocking(shards, dtype) for addr, shards in remote.items()}
 
     def get_output_blocking(self, flat: int) -> np.ndarray:
         """Assemble output chunk ``flat`` from its shards. Runs in a task thread.
@@ -637,6 +526,7 @@ class WorkerRun:
                 bytes_spilled=store.bytes_spilled,
                 bytes_buffered=store.bytes_buffered,
                 max_bytes_queued=comm.max_bytes_queued,
+                messages_sent=comm.messages,
                 max_bytes_stored_in_memory=store.max_bytes_in_memory,
                 phases=PhaseSeconds(send=comm.send_seconds, **self._seconds),
             )

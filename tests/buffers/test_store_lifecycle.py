@@ -12,6 +12,7 @@ import pytest
 
 from rechunk_p2p.buffers import StoreStatistics, make_store
 from rechunk_p2p.buffers import disk as disk_module
+from rechunk_p2p.buffers import files as files_module
 from rechunk_p2p.errors import (
     RechunkInputError,
     RechunkRunError,
@@ -265,7 +266,7 @@ def test_short_writes_and_reads_are_completed(monkeypatch, tmp_path):
 
 
 def test_batches_larger_than_iov_max(monkeypatch, tmp_path):
-    monkeypatch.setattr(disk_module, "_IOV_MAX", 4)
+    monkeypatch.setattr(files_module, "_IOV_MAX", 4)
     real_preadv = os.preadv
     sizes: list[int] = []
 

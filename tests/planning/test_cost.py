@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import dask
 import dask.array as da
 import numpy as np
@@ -9,6 +11,7 @@ import numpy as np
 import rechunk_p2p
 from rechunk_p2p.planning.cost import (
     SECONDS_PER_BYTE,
+    SECONDS_PER_ORDERED_PAIR,
     SECONDS_PER_PIECE,
     SECONDS_PER_TASK,
     estimate,
@@ -29,6 +32,8 @@ def test_the_estimate_adds_up_its_unit_costs() -> None:
     assert cost.tasks == 10 * SECONDS_PER_TASK and cost.pieces == 1000 * SECONDS_PER_PIECE
     assert cost.bytes == 2**20 * SECONDS_PER_BYTE
     assert cost.total == cost.tasks + cost.pieces + cost.bytes
+    ordered = estimate(10, 1000, 2**20, n_ordered=4000)
+    assert ordered.pieces == 1000 * SECONDS_PER_PIECE + 4000 * SECONDS_PER_ORDERED_PAIR
     assert estimate(1000, 0, 0).dominant == "tasks" and estimate(0, 0, 2**30).dominant == "bytes"
 
 
@@ -51,3 +56,12 @@ def test_thin_held_rows_into_strips_warn_and_blocks_do_not() -> None:
     blocks = rechunk_p2p.plan(_held((2048, 2048), (256, 2048)), (2048, 256))
     assert blocks.warning is None and "warning" not in repr(blocks)
     assert "8 per output chunk, 512.00 kiB each" in repr(blocks)
+
+
+def test_the_ordering_counts_transfer_tasks_not_held_chunks() -> None:
+    """Held chunks that share transfer tasks (each with a held task beside it) are no roots
+    of the graph: the ordering's share counts the transfers."""
+    plan = rechunk_p2p.plan(_held((8192, 512), (1, 512)), (8192, 4))
+    assert plan.n_ordered == 8192 * 128
+    shared = dataclasses.replace(plan, held_transfers=64)
+    assert shared.n_ordered == 64 * 128 and shared.cost.pieces < plan.cost.pieces

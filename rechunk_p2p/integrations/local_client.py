@@ -1,0 +1,87 @@
+"""The client a zarr rechunk runs on: the one given, the current one, or a local cluster.
+
+Where it runs: the client (the caller's thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+import distributed
+
+from rechunk_p2p.errors import ClusterError
+
+
+@contextlib.contextmanager
+def client_for(given: distributed.Client | str | None = None) -> Iterator[distributed.Client]:
+    """``given`` (a client, or a scheduler's address to connect to), else the current client,
+    else a LocalCluster sized to the machine for the block."""
+    if isinstance(given, distributed.Client):
+        yield given
+        return
+    if isinstance(given, str):
+        try:
+            connected = distributed.Client(given, timeout="10s")
+        except (OSError, TimeoutError) as e:
+            raise ClusterError(f"Cannot reach the scheduler at {given}: {e}") from None
+        with connected:
+            yield connected
+        return
+    try:
+        client = distributed.get_client()
+    except ValueError:
+        client = None
+    if client is not None:
+        yield client
+        return
+    _require_main_guard()
+    with (
+        distributed.LocalCluster(dashboard_address=":0") as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        yield client
+
+
+def _require_main_guard() -> None:
+    """Refuse to start worker processes from a script's unguarded top level.
+
+    The worker processes of a LocalCluster re-run the main script from the top; a call at
+    its top level would start clusters without end (hundreds of lines of errors). The call
+    is found in the stack and the script's source tells whether it sits under
+    ``if __name__ == "__main__":``.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+    ):
+        frame = frame.f_back
+    if frame is None or path is None or frame.f_code.co_filename != path:
+        return
+    if not _is_guarded(path, frame.f_lineno):
+        raise ClusterError(
+            f"{os.path.basename(path)} line {frame.f_lineno}: rechunk_zarr starts a local "
+            "cluster whose worker processes re-run this script from the top; put the call "
+            'under `if __name__ == "__main__":`, or pass client= (a Client or an address)'
+        )
+
+
+def _is_guarded(path: str, line: int) -> bool:
+    """Whether ``line`` of the script at ``path`` is inside ``if __name__ == "__main__":``."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return True  # cannot tell: let it run
+    return any(
+        isinstance(node, ast.If)
+        and "__main__" in ast.unparse(node.test)
+        and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
+        for node in ast.walk(tree)
+    )

@@ -1,0 +1,301 @@
+"""What the scheduler plugin does when a worker leaves a run: continue, go on, or restart.
+
+Where it runs: the scheduler's event loop (the plugin's ``remove_worker`` hook). Small
+messages and task transitions only; no array data.
+
+A run whose owner (a worker that assembles outputs) left continues without it as a new run
+id that moves its outputs to the others and keeps everything else; a run that only received
+shards from the worker goes on without it, running its transfers again; a run with no other
+worker left restarts from scratch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed.protocol.serialize import ToPickle
+
+from rechunk_p2p.spec import (
+    METADATA_KEY,
+    TRANSFER_PREFIX,
+    RunId,
+    RunSpec,
+    ShuffleId,
+    barrier_key,
+)
+from rechunk_p2p.waves import TransferWaves, key_name
+
+logger = logging.getLogger("rechunk_p2p.scheduler")
+
+#: Stimulus of the transitions that re-run stale transfers (the run stays open through them)
+STALE_STIMULUS = "rechunk-p2p-stale-"
+
+#: States of a barrier task whose transfers may still need a run
+BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})
+
+
+@dataclass
+class SchedulerRun:
+    """**Loop-confined.** The scheduler's record of one active run."""
+
+    run_spec: RunSpec
+    participants: set[str] = field(default_factory=set)
+    restricted: dict[Any, Any] = field(default_factory=dict)
+    owners: frozenset[str] = frozenset()  # the workers that assemble outputs
+    departed: set[str] = field(default_factory=set)  # workers that left the run on its way
+    delivered: bool = False  # a barrier of the run finished: every input's shards arrived
+    # inputs whose every shard was queued for sending by the worker named (a continued run
+    # sends only the moved outputs' shards of them, while that worker is there)
+    full_by: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def shuffle_id(self) -> ShuffleId:
+        return self.run_spec.shuffle_id
+
+    @property
+    def workers(self) -> set[str]:
+        return set(self.run_spec.workers) | self.participants
+
+
+class RunRecovery:
+    """**Loop-confined.** The worker-loss half of :class:`RechunkSchedulerPlugin` (which
+    holds the state named below and closes and restarts runs)."""
+
+    scheduler: Any
+    active: dict[str, SchedulerRun]
+    waves: TransferWaves
+    _run_ids: itertools.count
+    _stale_rounds: itertools.count
+    _computed_on: dict[Any, str]
+    restarts: int
+    restarts_saved: int
+    continuations: int
+    outputs_kept: int
+    outputs_moved: int
+    _close: Callable[[ShuffleId, str], SchedulerRun]
+
+    def remove_worker(
+        self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        """A worker left. A run it assembles outputs for continues without it, its outputs
+        moved to the others (see :meth:`_continue_without`), or restarts with a new run id
+        when no other worker of the run is left; a run it only sent shards for goes on
+        without it (see :meth:`_go_on_without`)."""
+        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
+        dataplanes.pop(worker, None)
+        self.waves.forget_worker(worker)
+        for shuffle_id, run in list(self.active.items()):
+            if worker in run.workers and worker not in run.owners:
+                self._go_on_without(shuffle_id, run, worker)
+            elif worker in run.workers and self._can_continue(shuffle_id, run, worker):
+                self._continue_without(shuffle_id, run, worker)
+            elif worker in run.workers:
+                logger.warning(
+                    "Worker %s left during rechunk %s (run %d); restarting it",
+                    worker,
+                    shuffle_id,
+                    run.run_spec.run_id,
+                )
+                self.restarts += 1
+                self._close(shuffle_id, reason=f"worker {worker} left")
+                self._restart(shuffle_id, stimulus_id)
+
+    def _can_continue(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> bool:
+        """Whether the run can go on without ``worker``, an owner: another worker of the run
+        is still there to take its outputs over, and the barrier task has not failed."""
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None or barrier.state == "erred":
+            return False
+        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
+        others = [w for w in run.run_spec.workers if w != worker]
+        return bool(others) and all(w in self.scheduler.workers and w in dataplanes for w in others)
+
+    def _continue_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
+        """An owner left: continue the run without restarting it.
+
+        The continued run (a new run id) moves the worker's outputs to the others and keeps
+        everything else: the shards on the other workers, and the outputs they assembled.
+        The barrier runs again, and with it every transfer, but a transfer sends only the
+        moved outputs' shards, unless its input's shards may have been lost with the worker
+        (see :meth:`_resend_all`). After the barrier passed, dask released the transfers'
+        results: they all run again, computing their inputs again. (The barrier itself may
+        have been lost with the worker: then it was released already, and the run was left
+        open for this.)
+
+        The other workers hear of the continuation before the barrier is released, with
+        their outputs that are not finished on the scheduler: outputs among them that the
+        worker assembled already, or is assembling (tasks that the release cancels), are kept
+        for the continued run's tasks (their shards are gone).
+        """
+        tasks = self.scheduler.tasks
+        barrier = tasks[barrier_key(shuffle_id)]
+        resend_all = self._resend_all(run, worker, barrier)
+        new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)), resend_all)
+        keep, finished = self._unfinished_outputs(new)
+        moved = new.moved - run.run_spec.moved
+        run.run_spec = new
+        run.owners = new.owners()
+        run.participants.discard(worker)
+        run.departed.add(worker)
+        self._pin(run, moved)
+        msgs = {
+            w: [
+                {
+                    "op": "rechunk_p2p_continue",
+                    "shuffle_id": shuffle_id,
+                    "run_spec": ToPickle(new),
+                    "keep": keep.get(w, []),
+                }
+            ]
+            for w in run.workers
+            if w in self.scheduler.stream_comms
+        }
+        self.scheduler.send_all({}, msgs)  # before the releases below (same stream, in order)
+        recs = {
+            ts.key: "released"
+            for chain in map(transfer_chain, barrier.dependencies)
+            for ts in chain
+            if ts.state == "memory"
+        }
+        if barrier.state in ("memory", "processing"):  # (released already if it was lost)
+            recs[barrier.key] = "released"
+        self.continuations += 1
+        self.outputs_kept += finished
+        self.outputs_moved += len(moved)
+        logger.warning(
+            "Worker %s left rechunk %s: run %d continues as run %d, %d outputs moved, %d "
+            "finished outputs kept, %d of %d inputs send all their shards again",
+            worker,
+            shuffle_id,
+            new.lineage[-1],
+            new.run_id,
+            len(moved),
+            finished,
+            len(resend_all),
+            len(new.spec.inputs),
+        )
+        stimulus_id = f"{STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
+        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+    def _unfinished_outputs(self, run_spec: RunSpec) -> tuple[dict[str, list[int]], int]:
+        """Per worker, its outputs (not moved) whose tasks are not finished on the scheduler
+        (running, or done on the worker and not reported yet); and how many are finished (in
+        memory, or consumed already)."""
+        spec = run_spec.spec
+        keep: dict[str, list[int]] = {w: [] for w in run_spec.workers}
+        finished = 0
+        for flat in spec.outputs:
+            if flat in run_spec.moved:
+                continue
+            ts = self.scheduler.tasks.get(spec.output_key(flat))
+            if ts is not None and ts.state in BARRIER_PENDING:
+                keep[run_spec.worker_for(flat)].append(flat)
+            else:
+                finished += 1
+        return keep, finished
+
+    def _pin(self, run: SchedulerRun, outputs: frozenset[int]) -> None:
+        """Restrict the unpack tasks of ``outputs`` to their (new) workers."""
+        spec, tasks = run.run_spec.spec, self.scheduler.tasks
+        pins = {}
+        for flat in sorted(outputs):
+            key = spec.output_key(flat)
+            if key in tasks:
+                run.restricted.setdefault(key, tasks[key].worker_restrictions)
+                pins[key] = {run.run_spec.worker_for(flat)}
+        self.scheduler.set_restrictions(pins)
+
+    def _resend_all(self, run: SchedulerRun, worker: str, barrier: Any) -> frozenset[int]:
+        """The inputs whose shards may have been lost with ``worker``: their transfers send
+        every shard again in the continued run.
+
+        None once a barrier of the run passed (every shard arrived). Before, an input's
+        shards are safe if a transfer that sent all of them finished on a worker that is
+        still there (queued sends are delivered by it); every other input's transfer ran on
+        the worker that left, or has not finished.
+        """
+        if run.delivered:
+            return frozenset()
+        spec = run.run_spec
+        chains = {
+            i: transfer_chain(dt)
+            for dt in barrier.dependencies
+            for i in spec.spec.transfers[spec.spec.transfer_of(dt.key)]
+        }
+        lost = set()
+        for i in spec.spec.inputs:
+            if run.full_by.get(i, worker) != worker:
+                continue  # every shard queued by a worker still there
+            run.full_by.pop(i, None)
+            chain = chains.get(i, [])
+            where = next(
+                (self._computed_on[t.key] for t in chain if t.key in self._computed_on), None
+            )
+            sent_all = not spec.lineage or i in spec.resend_all
+            if chain and chain[0].state == "memory" and where not in (None, worker) and sent_all:
+                run.full_by[i] = where
+            else:
+                lost.add(i)
+        return frozenset(lost)
+
+    def _go_on_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
+        """A worker that assembles no output of the run left (killed, or retired).
+
+        Before the barrier passed, shards of the transfers it ran may not have been
+        delivered: those transfers run again on other workers (receivers drop shards they
+        already hold) and the barrier waits for them; transfers whose results were lost with
+        the worker are recomputed by the scheduler anyway. After the barrier passed, every
+        shard was delivered and the run needs nothing of the worker.
+        """
+        run.participants.discard(worker)
+        run.departed.add(worker)
+        self.restarts_saved += 1
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None or barrier.state not in BARRIER_PENDING:
+            return
+        ran_there = [
+            chain
+            for chain in map(transfer_chain, barrier.dependencies)
+            if any(self._computed_on.get(ts.key) == worker for ts in chain)
+        ]
+        recs = {ts.key: "released" for chain in ran_there for ts in chain if ts.state == "memory"}
+        if barrier.state == "processing":  # it may have flushed before the worker left
+            recs[barrier.key] = "released"
+        logger.info(
+            "Worker %s (no outputs) left rechunk %s (run %d): running its %d transfers again",
+            worker,
+            shuffle_id,
+            run.run_spec.run_id,
+            len(ran_there),
+        )
+        if recs:
+            stimulus_id = f"{STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
+            self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+            self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+    def _restart(self, shuffle_id: ShuffleId, stimulus_id: str) -> None:
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        if barrier is None:
+            return
+        if any(dt.state == "erred" for dt in barrier.dependents) or barrier.state == "erred":
+            return
+        recs = {dt.key: "released" for dt in barrier.dependents}
+        recs[barrier.key] = "released"
+        recs.update({dt.key: "released" for dt in barrier.dependencies})
+        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+
+def transfer_chain(dependency: Any) -> list[Any]:
+    """A barrier's dependency and, when it is an alias dask's fusion left (the input's
+    chain fused into a task of another name), the transfer task it points to: to run a
+    transfer again, both are released (releasing the alias alone would return the old
+    result)."""
+    return [dependency] + [
+        ts for ts in dependency.dependencies if TRANSFER_PREFIX in key_name(ts.key)
+    ]

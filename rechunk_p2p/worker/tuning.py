@@ -1,0 +1,165 @@
+"""Interpreter settings a worker process runs rechunks under, applied while runs are open.
+
+Where it runs: any thread of a worker process (the settings are process-wide; the state is
+guarded by a lock): the worker plugin's loop when a run opens or closes, task threads when a
+transfer arrives, and whichever thread runs a full garbage collection.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dask.utils import parse_timedelta
+
+from rechunk_p2p.buffers.pages import OUTPUT_PAGES
+from rechunk_p2p.worker.allocator import MallocTuning
+
+#: How long a worker runs no task and holds no run before the objects frozen for runs are
+#: unfrozen and collected (:meth:`ProcessTuning.unfreeze_unused`)
+UNFREEZE_IDLE_SECONDS = 1.0
+
+#: Most objects frozen while runs are open; past it, full collections walk the rest as usual
+#: (garbage cycles among frozen objects wait for the unfreeze: this bounds them)
+_MAX_FROZEN_OBJECTS = 2_000_000
+
+
+class ProcessTuning:
+    """**Thread-safe (guarded by `_lock`).** Interpreter settings that keep the event loop
+    responsive, applied while any run is open in this process, or being asked for, and
+    undone when the last one closes, so that other work on the cluster sees the interpreter
+    as its user set it.
+
+    - The GIL switch interval: a thread waiting for the GIL (the event loop, after its timer
+      fired) waits up to one interval per hand-over while task, data-plane and offload
+      threads run Python code; a shorter interval bounds how long the loop waits.
+    - ``gc.freeze``: every full garbage collection walks every tracked object of the process
+      and stops all its threads, the loop included. Freezing the objects that exist when the
+      first run opens (modules, distributed's own state, the user's data) leaves them out of
+      later collections, and freezing the survivors of each full collection while runs are
+      open keeps the next one to what was made since: distributed's per-task state grows
+      with every task the worker holds, and with tens of thousands of tasks a full
+      collection of it took 100-300 ms. The objects are also frozen when a transfer task
+      reaches the worker (:meth:`freeze_early`): a worker takes a graph's task messages in
+      one step of its loop, and their allocations can set off a full collection before its
+      first run opens. Garbage cycles among frozen objects wait for ``gc.unfreeze``, which
+      hands everything back to the oldest generation, and the full collection that follows
+      (:meth:`unfreeze_unused`); both wait until no run has been open for a while, when
+      the worker is idle (a collection of what a rechunk of 64 KiB chunks left took
+      110-180 ms, and coming right after a run it stopped the next one's first steps). At
+      most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they are:
+      ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for the
+      120,000-160,000 of a worker process after a 3-D rechunk.
+    - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`), when
+      the first run keeps shards in memory (``memory``, ``memory+disk``): arrays up to
+      32 MiB come from memory freed before instead of fresh pages; the free memory is given
+      back when the last run closes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._switch: float | None = None
+        self._frozen = False  # objects frozen (by a run, or early), not yet unfrozen
+        self._collecting = False  # survivors of full collections are frozen too
+        #: survivors frozen since the first run opened (``_freeze_survivors`` adds to it)
+        self.survivors_frozen = 0
+        self.malloc = MallocTuning()
+        self._output_pages = False  # OUTPUT_PAGES opened by a run
+
+    def acquire(
+        self, interval: Any, freeze: bool, malloc: bool = False, output_pages: bool = False
+    ) -> None:
+        """A run opens: apply the settings (the GIL switch ``interval``, ``None`` to leave
+        it; whether to ``freeze`` survivors of collections; whether to hold ``malloc``'s
+        thresholds; whether to keep freed outputs' pages for the next outputs)."""
+        with self._lock:
+            self._users += 1
+            if malloc:  # also when another run, or a run's request, holds the rest
+                self.malloc.hold()
+            if output_pages and not self._output_pages:
+                OUTPUT_PAGES.open()
+                self._output_pages = True
+            if self._users > 1:
+                return
+            if interval is not None:
+                self._switch = sys.getswitchinterval()
+                sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
+            if freeze:  # O(1): moves the tracked objects aside, traverses nothing
+                gc.freeze()
+                gc.callbacks.append(_freeze_survivors)
+                self._frozen = self._collecting = True
+
+    def release(self) -> Callable[[], None] | None:
+        """A run closed; when it was the last, undo the settings but the freeze (see
+        :meth:`unfreeze_unused`). Returns blocking work to run in a thread: unmapping the
+        freed outputs' pages kept, and giving back the memory malloc kept."""
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return None
+            if self._switch is not None:
+                sys.setswitchinterval(self._switch)
+                self._switch = None
+            if self._collecting:
+                gc.callbacks.remove(_freeze_survivors)
+                self._collecting = False
+            unmap = None
+            if self._output_pages:
+                unmap = OUTPUT_PAGES.close()
+                self._output_pages = False
+            trim = self.malloc.trim_blocking if self.malloc.release() else None
+        if unmap is None or trim is None:
+            return unmap or trim
+
+        def unmap_and_trim_blocking() -> None:
+            unmap()
+            trim()
+
+        return unmap_and_trim_blocking
+
+    def freeze_early(self) -> None:
+        """A transfer task reached the worker: freeze the objects that exist, unless a run
+        holds the settings already. O(1); undone by :meth:`unfreeze_unused`."""
+        with self._lock:
+            if not self._users:
+                gc.freeze()
+                self._frozen = True
+
+    @property
+    def frozen_unused(self) -> bool:
+        """Objects are frozen and no run (or request for one) holds the settings."""
+        with self._lock:
+            return self._frozen and not self._users
+
+    def unfreeze_unused(self) -> bool:
+        """When no run holds the settings: unfreeze, and collect what the runs left (a full
+        collection, which stops every thread of the process). Returns whether it did."""
+        with self._lock:
+            if self._users or not self._frozen:
+                return False
+            gc.unfreeze()
+            self._frozen = False
+            self.survivors_frozen = 0
+        gc.collect()
+        return True
+
+
+def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
+    """A ``gc.callbacks`` entry while runs are open: after a full collection, freeze its
+    survivors. Runs in whichever thread collected, holding the GIL; takes time in the
+    number of survivors (the oldest generation holds only them), which the collection
+    itself just walked."""
+    if phase != "stop" or info["generation"] != 2:
+        return
+    survivors = len(gc.get_objects(generation=2))
+    if PROCESS_TUNING.survivors_frozen + survivors <= _MAX_FROZEN_OBJECTS:
+        PROCESS_TUNING.survivors_frozen += survivors
+        gc.freeze()
+
+
+#: The one per process (the interpreter settings are process-wide)
+PROCESS_TUNING = ProcessTuning()
