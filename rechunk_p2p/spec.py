@@ -294,10 +294,6 @@ class RunSpec:
         """The worker that assembles output ``flat``."""
         return self.workers[self.worker_position(flat)]
 
-    def dataplane_for(self, flat: int) -> str:
-        """The data plane address of the worker that assembles output ``flat``."""
-        return self.dataplanes[self.worker_position(flat)]
-
     def continued_without(
         self, worker: str, run_id: RunId, resend_all: frozenset[int] = frozenset()
     ) -> RunSpec:

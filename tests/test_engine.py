@@ -91,7 +91,7 @@ async def test_a_run_budget_bounds_each_workers_send_queue(c, s, a, b, storage):
     for t in totals:
         phases = t.phases
         assert min(phases.cut, phases.send, phases.store, phases.assemble) > 0, phases
-        assert phases.queue_wait >= 0
+        assert t.messages_sent > 0  # (batches, each one message)
 
 
 @gen_cluster(

@@ -23,15 +23,13 @@ directory. A store may write and read its file unbuffered instead (``direct_io``
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import pickle
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import numpy as np
 
@@ -40,8 +38,6 @@ from rechunk_p2p.buffers.base import (
     StoreStatistics,
     check_shard,
     closed_error,
-    owned_array,
-    place_blocking,
 )
 from rechunk_p2p.buffers.direct import (
     DirectFile,
@@ -49,11 +45,10 @@ from rechunk_p2p.buffers.direct import (
     open_direct,
     worth_direct,
 )
+from rechunk_p2p.buffers.disk_reads import DiskReads
 from rechunk_p2p.buffers.files import (
     make_store_directory,
-    preadv_all,
     pwritev_all,
-    read_targets_blocking,
     remove_blocking,
     safe_name,
 )
@@ -68,21 +63,15 @@ _WRITE_ADVICE = (
     "(`dask worker --local-directory ...` or the `temporary-directory` config), or "
     'buffer shards in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
 )
-_READ_ADVICE = (
-    "The spilled data was removed or truncated by something else, or the disk failed; "
-    "check the worker's local directory, or buffer shards in memory with "
-    'dask.config.set({"rechunk-p2p.storage": "memory"}).'
-)
 
 #: One spilled shard in the index: its output, input, byte range in the data file, and shape
 #: (an index into the store's table of shapes). Kept as rows of numpy arrays, not objects.
 ENTRY = np.dtype(
     [("output", "i8"), ("input", "i8"), ("offset", "i8"), ("nbytes", "i8"), ("shape", "i4")]
 )
-_T = TypeVar("_T")
 
 
-class DiskShardStore:
+class DiskShardStore(DiskReads):
     """**Thread-safe (guarded by `_lock`).** Spills shards to one file under ``directory``.
 
     ``_lock`` guards the index, the reserved end of the file, the counters, the set of
@@ -408,218 +397,6 @@ class DiskShardStore:
                 self._fd = fd
             return self._fd
 
-    # -- reading -----------------------------------------------------------------------
-
-    def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
-        """Read one output's shards back from disk, sorted by input index.
-
-        See :meth:`rechunk_p2p.buffers.base.ShardStore.read_blocking`. Each array is read
-        straight into its own freshly allocated buffer.
-        """
-        return self._read_output_blocking(output, self._read_entries_blocking)
-
-    def read_into_blocking(
-        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
-    ) -> list[int]:
-        """Read each shard of ``output`` straight into ``out[placement[input]]``; discard it.
-
-        Where the target region of ``out`` is contiguous (e.g. a slab along the first axis),
-        ``preadv`` fills it directly: no buffer per shard and no second copy. Returns the
-        input indices placed.
-        """
-
-        def read(fd: int, rows: np.ndarray) -> list[int]:
-            self._read_into_entries_blocking(fd, rows, out, placement)
-            return rows["input"].tolist()
-
-        return self._read_output_blocking(output, read)
-
-    def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
-        """Read the shards of ``output`` one after another into C-contiguous ``out``, in the
-        order of the inputs ``order``, and discard them.
-
-        See :meth:`rechunk_p2p.buffers.memory.MemoryShardStore.read_stacked_blocking`. Each
-        run of shards that lie one after another in the data file too is one ``pread``
-        straight into its bytes of ``out``. Returns the inputs placed, in order, stopping at
-        the first one missing. Not for object dtype.
-        """
-
-        def read(fd: int, rows: np.ndarray) -> list[int]:
-            return self._read_stacked_entries_blocking(fd, output, rows, out, order)
-
-        return self._read_output_blocking(output, read)
-
-    def _take_entries(self, output: int) -> np.ndarray | None:
-        """Remove and return the index rows of ``output``, sorted by input (under `_lock`
-        only briefly: rows written since the last read are sorted outside it)."""
-        with self._sort_lock:
-            with self._lock:
-                while self._flushing:  # its rows are published when it ends
-                    self._idle.wait()
-                self._raise_flush_error_locked()
-                pending = self._take_pending_locked()
-            if pending:
-                self._flush_blocking(pending)
-            with self._lock:
-                unsorted, self._unsorted = self._unsorted, []
-            if unsorted:
-                filed = _file_by_output(np.concatenate(unsorted))
-                with self._lock:
-                    for out, rows in filed:
-                        self._index.setdefault(out, []).append(rows)
-        with self._lock:
-            if self._closed:
-                raise closed_error(self.kind, self.name, f"read output {output}")
-            parts = self._index.pop(output, None)
-            self._held.discard(output)
-        if not parts:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        rows = np.concatenate(parts)
-        return rows[np.argsort(rows["input"], kind="stable")]
-
-    def _read_output_blocking(
-        self, output: int, read: Callable[[int, np.ndarray], _T]
-    ) -> _T | list:
-        """Take one output's index rows, then ``read(fd, rows)`` outside the lock,
-        counting the bytes and translating I/O errors."""
-        rows = self._take_entries(output)
-        if rows is None:
-            return []
-        nbytes = int(rows["nbytes"].sum())
-        with self._lock:
-            if self._closed:
-                raise closed_error(self.kind, self.name, f"read output {output}")
-            self._ledger.bytes_buffered -= nbytes  # discarded now; counted read once read
-            self._inflight += 1
-            fd = self._fd
-        assert fd is not None  # entries exist only after the file was written
-        try:
-            result = read(fd, rows)
-        except OSError as exc:
-            with self._lock:
-                self._release_locked()
-            action = f"read {nbytes} bytes of output {output}"
-            raise self._storage_error(exc, action, _READ_ADVICE) from exc
-        except BaseException:
-            with self._lock:
-                self._release_locked()
-            raise
-        with self._lock:
-            self._ledger.bytes_read += nbytes
-            self._release_locked()
-        return result
-
-    def _read_stacked_entries_blocking(
-        self, fd: int, output: int, rows: np.ndarray, out: np.ndarray, order: list[int]
-    ) -> list[int]:
-        position = {input_: k for k, input_ in enumerate(order)}
-        ranks = np.array([position.get(i, -1) for i in rows["input"].tolist()], dtype=np.int64)
-        rows, ranks = rows[ranks >= 0], ranks[ranks >= 0]
-        sorted_rows = rows[np.argsort(ranks, kind="stable")]
-        gaps = np.flatnonzero(np.sort(ranks) != np.arange(len(ranks)))
-        present = int(gaps[0]) if len(gaps) else len(ranks)  # placed up to the first missing
-        sorted_rows = sorted_rows[:present]
-        target = memoryview(out.reshape(-1).view(np.uint8))
-        ends = np.cumsum(sorted_rows["nbytes"])
-        if present == len(order) and (not len(ends) or int(ends[-1]) != target.nbytes):
-            raise RechunkRunError(
-                f"The shards of output {output} in store {self.name!r} hold "
-                f"{int(ends[-1]) if len(ends) else 0} of its {target.nbytes} bytes"
-            )
-        if len(ends) and int(ends[-1]) > target.nbytes:
-            raise RechunkRunError(
-                f"The shards of output {output} in store {self.name!r} overflow its "
-                f"{target.nbytes} bytes"
-            )
-        starts = ends - sorted_rows["nbytes"]
-        offsets = sorted_rows["offset"]
-        direct = self._direct
-        if direct is not None:
-            stack = np.frombuffer(target, dtype=np.uint8)
-            place = _stacking_into(stack, starts, sorted_rows["nbytes"])
-            direct.read_blocking(offsets, sorted_rows["nbytes"], place)
-            return [order[k] for k in range(present)]
-        # a new pread wherever the next shard does not follow the previous one in the file
-        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sorted_rows["nbytes"][:-1]) + 1
-        bounds = np.concatenate(([0], breaks, [len(sorted_rows)])).tolist()
-        for lo, hi in itertools.pairwise(bounds):
-            if hi > lo:
-                dst_lo, dst_hi = int(starts[lo]), int(ends[hi - 1])
-                preadv_all(fd, [target[dst_lo:dst_hi]], int(offsets[lo]))
-        return [order[k] for k in range(present)]
-
-    def _read_into_entries_blocking(
-        self,
-        fd: int,
-        rows: np.ndarray,
-        out: np.ndarray,
-        placement: Mapping[int, tuple[slice, ...]],
-    ) -> None:
-        if self._pickled:
-            for input_, array in self._read_entries_blocking(fd, rows):
-                if input_ in placement:
-                    place_blocking(out, placement[input_], array)
-            return
-        targets: list[tuple[int, memoryview]] = []
-        staged: list[tuple[np.ndarray, np.ndarray]] = []
-        shapes = self._shapes
-        for offset, nbytes, input_, shape_id in _columns(rows):
-            if not nbytes or input_ not in placement:
-                continue
-            region = out[placement[input_]]
-            shape = shapes[shape_id]
-            if region.flags.c_contiguous and region.shape == shape:
-                targets.append((offset, memoryview(region.reshape(-1).view(np.uint8))))
-            else:
-                buffer = np.empty(shape, dtype=self.dtype)
-                staged.append((region, buffer))
-                targets.append((offset, memoryview(buffer.reshape(-1).view(np.uint8))))
-        self._read_targets_blocking(fd, targets)
-        for region, buffer in staged:
-            region[...] = buffer
-
-    def _read_targets_blocking(self, fd: int, targets: list[tuple[int, memoryview]]) -> None:
-        """Fill each ``(file offset, view)`` target: unbuffered if the store is, else one
-        ``preadv`` per run of adjacent ones."""
-        direct = self._direct
-        if direct is None:
-            read_targets_blocking(fd, targets)
-            return
-        views = [view.cast("B") if view.format != "B" else view for _, view in targets]
-
-        def place(stage: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> None:
-            for k, at in zip(rows.tolist(), positions.tolist()):
-                views[k][:] = stage[at : at + views[k].nbytes]
-
-        offsets = np.array([offset for offset, _ in targets], dtype=np.int64)
-        sizes = np.array([view.nbytes for view in views], dtype=np.int64)
-        direct.read_blocking(offsets, sizes, place)
-
-    def _read_entries_blocking(self, fd: int, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """Allocate one buffer per entry and fill them, coalescing adjacent entries; the
-        pairs in the order of ``rows`` (by input)."""
-        result: list[tuple[int, np.ndarray]] = []
-        raw: list[tuple[int, int, np.ndarray]] = []  # (input, position in result, bytes)
-        targets: list[tuple[int, memoryview]] = []
-        shapes = self._shapes
-        for offset, nbytes, input_, shape_id in _columns(rows):
-            if self._pickled:
-                buffer = np.empty(nbytes, dtype=np.uint8)
-                raw.append((input_, len(result), buffer))
-                result.append((input_, buffer))
-            else:
-                array = np.empty(shapes[shape_id], dtype=self.dtype)
-                buffer = array.reshape(-1).view(np.uint8)
-                result.append((input_, array))
-            if nbytes:
-                targets.append((offset, memoryview(buffer)))
-        self._read_targets_blocking(fd, targets)
-        for input_, position, buffer in raw:
-            result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer))))
-        return result
-
     # -- lifecycle ---------------------------------------------------------------------
 
     def _release_locked(self) -> None:
@@ -702,44 +479,3 @@ def _shard_views(payloads: list, sizes: np.ndarray) -> list[memoryview]:
     (whole,) = flat
     ends = np.cumsum(sizes).tolist()
     return [whole[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-
-
-def _columns(rows: np.ndarray) -> Iterable[tuple[int, int, int, int]]:
-    """``(offset, nbytes, input, shape id)`` of each index row, as Python ints."""
-    return zip(
-        rows["offset"].tolist(),
-        rows["nbytes"].tolist(),
-        rows["input"].tolist(),
-        rows["shape"].tolist(),
-    )
-
-
-def _stacking_into(
-    target: np.ndarray, starts: np.ndarray, nbytes: np.ndarray
-) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
-    """A ``place`` for :meth:`DirectFile.read_blocking` that copies row ``k`` (``nbytes[k]``
-    bytes) to ``target[starts[k]:]``: one slice copy per run of rows that follow each other
-    in the staging buffer and in ``target`` alike (a flush's shards of one output lie in
-    input order, so runs are long), and no temporary copy."""
-
-    def place(stage: np.ndarray, picked: np.ndarray, positions: np.ndarray) -> None:
-        if not len(picked):
-            return
-        sizes, dst = nbytes[picked], starts[picked]
-        ends = positions + sizes
-        apart = (positions[1:] != ends[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
-        bounds = [0, *(np.flatnonzero(apart) + 1).tolist(), len(picked)]
-        for lo, hi in itertools.pairwise(bounds):
-            src, to, size = int(positions[lo]), int(dst[lo]), int(ends[hi - 1] - positions[lo])
-            target[to : to + size] = stage[src : src + size]
-
-    return place
-
-
-def _file_by_output(rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """``rows`` grouped by output, each group sorted by input: ``(output, rows)`` pairs."""
-    rows = rows[np.lexsort((rows["input"], rows["output"]))]
-    outputs = rows["output"]
-    cuts = np.flatnonzero(outputs[1:] != outputs[:-1]) + 1
-    bounds = np.concatenate(([0], cuts, [len(rows)])).tolist()
-    return [(int(outputs[lo]), rows[lo:hi]) for lo, hi in itertools.pairwise(bounds)]

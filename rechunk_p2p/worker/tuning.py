@@ -28,7 +28,10 @@ _MAX_FROZEN_OBJECTS = 2_000_000
 
 
 class ProcessTuning:
-    """**Thread-safe (guarded by `_lock`).** Interpreter settings that keep the event loop
+    """**Thread-safe (guarded by `_lock`)**, but for ``survivors_frozen``, which only the
+    garbage collector's callback changes (it cannot take the lock: a collection may start
+    in a thread that holds it; collections never overlap, and the callback holds the GIL)
+    and :meth:`unfreeze_unused` resets. Interpreter settings that keep the event loop
     responsive, applied while any run is open in this process, or being asked for, and
     undone when the last one closes, so that other work on the cluster sees the interpreter
     as its user set it.
