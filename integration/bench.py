@@ -248,8 +248,8 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         "scheduler_cpu_s": (
             None if sched_cpu0 is None or sched_cpu1 is None else sched_cpu1 - sched_cpu0
         ),
-        "fds_peak": peaks.fds,
-        "connections_peak": peaks.connections,
+        "fds_at_end": peaks.fds,
+        "connections_at_end": peaks.connections,
         "messages_sent": None if delta is None else int(delta["messages_sent"]),
         "bytes_sent": None if delta is None else int(delta["bytes_sent"]),
         **times,
@@ -323,11 +323,19 @@ def scale_figures(run: dict[str, Any], worker_lags: list[dict[str, Any]]) -> dic
         "scheduler_cpu_s": value(run.get("scheduler_cpu_s")),
         "scheduler_max_ms": max((s["max_ms"] for s in sched), default=nan),
         "worker_p50_ms": max((s["p50_ms"] for s in worker_lags), default=nan),
+        "worker_adj_max_ms": max(
+            (
+                c["adjusted_max_ms"]
+                for a, c in lag.get("causes", {}).items()
+                if lag.get("distributed", {}).get(a, {}).get("server_type") != "Scheduler"
+            ),
+            default=nan,
+        ),
         "cpu_outside_tasks_s": max(outside, default=nan),
         "messages": value(messages),
         "bytes_per_message": sent / messages if messages and sent is not None else nan,
-        "connections": max((run.get("connections_peak") or {}).values(), default=nan),
-        "fds": max((run.get("fds_peak") or {}).values(), default=nan),
+        "connections": max((run.get("connections_at_end") or {}).values(), default=nan),
+        "fds": max((run.get("fds_at_end") or {}).values(), default=nan),
         "to_first_transfer_s": value(run.get("to_first_transfer_s")),
         "barrier_to_last_output_s": value(run.get("barrier_to_last_output_s")),
     }

@@ -8,8 +8,9 @@ Two sweeps per workload: **weak** scaling (``--per-worker`` bytes a worker, so e
 holds the same bytes at every count) and **strong** scaling (``--size`` in all). Per point
 and implementation: wall time, the workers' CPU (summed, and the largest per-worker CPU
 outside task threads), the scheduler loop thread's CPU and its loop's worst lag, the workers'
-loop lag, messages sent and bytes per message (the engine's own counters; dask's P2P does
-not count them), peak TCP connections and file descriptors of a worker, peak worker RSS,
+loop lag (and without the wait for a core, which oversubscribed workers spend mostly
+in the run queue), messages sent and bytes per message (the engine's own counters; dask's P2P does
+not count them), TCP connections and file descriptors of a worker at the end, peak worker RSS,
 seconds to the first transfer and from the last barrier to the last output.
 
 Usage::
@@ -42,10 +43,11 @@ FIGURES = (
     ("scheduler_cpu_s", "scheduler CPU s", 1.0),
     ("scheduler_max_ms", "scheduler loop max ms", 1.0),
     ("worker_max_ms", "worker loop max ms", 1.0),
+    ("worker_adj_max_ms", "worker max w/o run queue ms", 1.0),
     ("messages", "messages", 1.0),
     ("bytes_per_message", "KiB per message", 1 / 1024),
-    ("connections", "max TCP connections", 1.0),
-    ("fds", "max fds", 1.0),
+    ("connections", "TCP connections of a worker", 1.0),
+    ("fds", "fds of a worker", 1.0),
     ("rss_peak", "max worker RSS MiB", 1 / 2**20),
     ("to_first_transfer_s", "to first transfer s", 1.0),
     ("barrier_to_last_output_s", "barrier to last output s", 1.0),

@@ -31,8 +31,10 @@ class ResourcePeaks:
         sampler to :meth:`ResourceSampler.stop` (or to :meth:`ResourceSampler.peaks` if
         earlier).
     fds, connections
-        Peak open file descriptors and TCP connections of each worker process (sampled with
-        the disk use).
+        Open file descriptors and TCP connections of each worker process when the window
+        ended (read once: listing a process's connections parses the host's whole socket
+        table, which sampled often took the scheduler's process, where the sampler runs,
+        away from its loop; connections only close after a run, so the end is their peak).
     """
 
     rss_bytes: dict[str, int]
@@ -125,7 +127,7 @@ class ResourceSampler:
             return
         self._stop.set()
         self._thread.join()
-        self._sample_blocking(disk=True)
+        self._sample_blocking(disk=True, last=True)
         cpu = self._cpu_blocking()
         with self._lock:
             self._cpu_end = cpu
@@ -147,7 +149,7 @@ class ResourceSampler:
             self._sample_blocking(disk=i % self._disk_every == 0)
             i += 1
 
-    def _sample_blocking(self, disk: bool) -> None:
+    def _sample_blocking(self, disk: bool, last: bool = False) -> None:
         rss = {}
         for addr, proc in self._procs.items():
             try:
@@ -156,7 +158,7 @@ class ResourceSampler:
                 continue
         sizes = {a: directory_bytes_blocking(d) for a, d in self._dirs.items()} if disk else {}
         fds, connections = {}, {}
-        if disk:
+        if last:
             for addr, proc in self._procs.items():
                 try:
                     fds[addr] = proc.num_fds()
