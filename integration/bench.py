@@ -322,6 +322,14 @@ def scale_figures(run: dict[str, Any], worker_lags: list[dict[str, Any]]) -> dic
     return {
         "scheduler_cpu_s": value(run.get("scheduler_cpu_s")),
         "scheduler_max_ms": max((s["max_ms"] for s in sched), default=nan),
+        "scheduler_adj_max_ms": max(
+            (
+                c["adjusted_max_ms"]
+                for a, c in lag.get("causes", {}).items()
+                if lag.get("distributed", {}).get(a, {}).get("server_type") == "Scheduler"
+            ),
+            default=nan,
+        ),
         "worker_p50_ms": max((s["p50_ms"] for s in worker_lags), default=nan),
         "worker_adj_max_ms": max(
             (

@@ -42,6 +42,7 @@ FIGURES = (
     ("cpu_outside_tasks_s", "max CPU outside tasks s", 1.0),
     ("scheduler_cpu_s", "scheduler CPU s", 1.0),
     ("scheduler_max_ms", "scheduler loop max ms", 1.0),
+    ("scheduler_adj_max_ms", "scheduler max w/o run queue ms", 1.0),
     ("worker_max_ms", "worker loop max ms", 1.0),
     ("worker_adj_max_ms", "worker max w/o run queue ms", 1.0),
     ("messages", "messages", 1.0),
