@@ -47,6 +47,24 @@ async def test_three_workers_3d(c, s, a, b, w3, storage):
     await _check(c, s, [a, b, w3], x, (12, 3, 4))
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 8)
+async def test_eight_workers_made_and_held(c, s, *workers, storage):
+    """Eight workers: an all-to-all rechunk of a made and of a held input, every worker
+    cutting and assembling (outputs spread over all of them), values as dask's."""
+    await rechunk_p2p.register(c)
+    x = da.random.default_rng(8).random((64, 48), chunks=(2, 48))
+    await _check(c, s, workers, x, (64, 3))
+    held = c.persist(x)
+    y = rechunk_p2p.rechunk(held, (64, 3))
+    futures = c.persist(y)
+    result = await c.compute(y)
+    np.testing.assert_array_equal(result, await c.compute(x))
+    where = await c.who_has(futures)
+    assert len({w for ws in where.values() for w in ws}) == 8  # outputs on every worker
+    del futures, held
+    await assert_clean(s, *workers)
+
+
 @gen_cluster(
     client=True,
     nthreads=NTHREADS_2,
