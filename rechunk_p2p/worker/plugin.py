@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 #: Closed run ids remembered (oldest forgotten first): enough for every rechunk a long-lived
 #: worker has in flight or may still hear stale messages about; ~1 MB at most.
 _CLOSED_IDS_KEPT = 10_000
+#: Worker task states after which a task neither runs nor waits to run here.
+_FINISHED = frozenset({"memory", "error", "released", "forgotten"})
 #: How long a task waits for the plugins to arrive when it installs them itself.
 INSTALL_TIMEOUT = 60.0
 #: How long a request to the scheduler is sent again while its connection keeps breaking.
@@ -120,6 +122,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._ready = threading.Event()
         self._tearing_down = False  # loop-confined
         self._freeze_early = False
+        # transfer tasks on this worker that have not finished (worker loop only)
+        self._unfinished_transfers: set[Any] = set()
         self._unfreezer: asyncio.Future[None] | None = None
 
     def __reduce__(self) -> tuple:
@@ -167,24 +171,31 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """On the worker loop, for every task's transition: a transfer task arriving freezes
-        the process's objects (:meth:`ProcessTuning.freeze_early`)."""
-        if (
-            start == "released"
-            and self._freeze_early
-            and isinstance(key, tuple)
-            and TRANSFER_PREFIX in key[0]
-        ):
+        the process's objects (:meth:`ProcessTuning.freeze_early`); the transfers here that
+        have not finished are counted (the worker is not idle while one waits, for its
+        inputs, say)."""
+        if not (isinstance(key, tuple) and TRANSFER_PREFIX in key[0]):
+            return
+        if finish in _FINISHED:
+            self._unfinished_transfers.discard(key)
+            return
+        if start == "released" and self._freeze_early:
             _tuning.freeze_early()
+        self._unfinished_transfers.add(key)
 
     async def _unfreeze_when_idle(self) -> None:
-        """On the worker loop: once objects are frozen, no run holds the settings and no
-        task has run here for :data:`UNFREEZE_IDLE_SECONDS`, unfreeze and collect."""
+        """On the worker loop: once objects are frozen, no run holds the settings, no
+        transfer task waits here and no task has run for :data:`UNFREEZE_IDLE_SECONDS`,
+        unfreeze and collect (a full collection, which stops the loop too: a transfer that
+        waits for a reduction of thousands of tasks left the loop idle for a second, and the
+        collection then stalled it by 230-250 ms in the middle of the rechunk)."""
         idle_since = None
         state = getattr(self.worker, "state", None)
         while True:
             await asyncio.sleep(UNFREEZE_IDLE_SECONDS / 4)
             # a request for a run holds the tuning, so frozen_unused is false meanwhile
-            if (state is not None and state.executing) or not _tuning.frozen_unused:
+            busy = (state is not None and state.executing) or self._unfinished_transfers
+            if busy or not _tuning.frozen_unused:
                 idle_since = None
                 continue
             now = asyncio.get_running_loop().time()
