@@ -114,7 +114,7 @@ async def test_requests_to_the_scheduler_are_sent_again_on_a_broken_connection(m
     from distributed.comm.core import CommClosedError
     from distributed.core import Status
 
-    from rechunk_p2p.worker import plugin
+    from rechunk_p2p.worker import scheduler_rpc as plugin
 
     calls = []
 

@@ -15,13 +15,8 @@ from rechunk_p2p.errors import ClusterError, StaleRunError
 from rechunk_p2p.offload import from_thread
 from rechunk_p2p.scheduler import RechunkSchedulerPlugin
 from rechunk_p2p.spec import PLUGIN_NAME
-from rechunk_p2p.worker.plugin import (
-    INSTALL_TIMEOUT,
-    RechunkWorkerPlugin,
-    get_plugin,
-    scheduler_rpc,
-    worker_closing,
-)
+from rechunk_p2p.worker.plugin import INSTALL_TIMEOUT, RechunkWorkerPlugin, get_plugin
+from rechunk_p2p.worker.scheduler_rpc import scheduler_rpc, worker_closing
 
 
 def plugin_for_task(worker: Any) -> RechunkWorkerPlugin:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import Reschedule, WorkerPlugin
-from distributed.core import clean_exception
 from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
@@ -29,7 +28,6 @@ from rechunk_p2p.buffers.files import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.errors import (
-    BROKEN_CONNECTION,
     ClusterError,
     OutputConsumedError,
     RechunkP2PError,
@@ -46,6 +44,8 @@ from rechunk_p2p.spec import (
 )
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
+from rechunk_p2p.worker.scheduler_rpc import checked as _checked
+from rechunk_p2p.worker.scheduler_rpc import scheduler_rpc, worker_closing
 from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
 from rechunk_p2p.worker.tuning import UNFREEZE_IDLE_SECONDS
@@ -59,8 +59,6 @@ _CLOSED_IDS_KEPT = 10_000
 _FINISHED = frozenset({"memory", "error", "released", "forgotten"})
 #: How long a task waits for the plugins to arrive when it installs them itself.
 INSTALL_TIMEOUT = 60.0
-#: How long a request to the scheduler is sent again while its connection keeps breaking.
-RPC_RETRY_SECONDS = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,41 +521,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
         for stats in open_stats:
             totals = totals.plus(stats)
         return totals
-
-
-def _checked(response: dict) -> dict:
-    """An RPC reply, or its error raised with its own type."""
-    if response.get("status") == "error":
-        _, exc, tb = clean_exception(**response)
-        assert exc is not None
-        raise exc.with_traceback(tb)
-    return response
-
-
-async def scheduler_rpc(worker: Any, op: str, /, **kwargs: Any) -> Any:
-    """On the worker loop: ``worker.scheduler.<op>(**kwargs)``, sent again when the
-    connection broke under it (:data:`BROKEN_CONNECTION`), with backoff, for
-    up to :data:`RPC_RETRY_SECONDS` and while the worker is not closing. Only for requests
-    the scheduler can take twice (getting a run, a barrier, installing the plugin)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + RPC_RETRY_SECONDS
-    delay = 0.05
-    while True:
-        try:
-            return await getattr(worker.scheduler, op)(**kwargs)
-        except BROKEN_CONNECTION:
-            if loop.time() > deadline or worker_closing(worker):
-                raise
-            logger.info("Request %s to the scheduler failed on a broken connection; again", op)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
-
-
-def worker_closing(worker: Any) -> bool:
-    """Whether ``worker`` is closing or closed (its plugins are being taken down). A worker
-    retiring gracefully is not: it still finishes its tasks, and their results move on."""
-    status = getattr(getattr(worker, "status", None), "name", "running")
-    return status in ("closing", "closed")
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:
