@@ -23,12 +23,13 @@ directory. A store may write and read its file unbuffered instead (``direct_io``
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pickle
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,6 +45,16 @@ from rechunk_p2p.buffers.direct import (
     aligned_up,
     open_direct,
     worth_direct,
+)
+from rechunk_p2p.buffers.disk_blocks import (
+    ENTRY,
+    Block,
+    Group,
+    group_of,
+    group_pairs,
+    group_rows,
+    grouped,
+    slabs,
 )
 from rechunk_p2p.buffers.disk_reads import DiskReads
 from rechunk_p2p.buffers.files import (
@@ -62,12 +73,6 @@ _WRITE_ADVICE = (
     "Free space on that disk, point the worker's local directory elsewhere "
     "(`dask worker --local-directory ...` or the `temporary-directory` config), or "
     'buffer shards in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
-)
-
-#: One spilled shard in the index: its output, input, byte range in the data file, and shape
-#: (an index into the store's table of shapes). Kept as rows of numpy arrays, not objects.
-ENTRY = np.dtype(
-    [("output", "i8"), ("input", "i8"), ("offset", "i8"), ("nbytes", "i8"), ("shape", "i4")]
 )
 
 
@@ -131,13 +136,14 @@ class DiskShardStore(DiskReads):
         self._inflight = 0
         self._end = 0
         self._buffer_bytes = int(buffer_bytes)
-        self._pending: list[tuple[np.ndarray, list[memoryview]]] = []  # not written yet
+        self._pending: list[_Pending] = []  # not written yet
         self._pending_bytes = 0
         self._flushing = 0  # bytes of the background write in flight
         self._flusher: ThreadPoolExecutor | None = None
         self._flush_error: BaseException | None = None
         self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
         self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
+        self._groups: list[Group] = []  # the groups that ENTRY rows name (disk_blocks)
         self._held: set[int] = set()  # outputs with spilled shards not read yet
         self._shapes: list[tuple[int, ...]] = []
         self._shape_ids: dict[tuple[int, ...], int] = {}
@@ -185,6 +191,9 @@ class DiskShardStore(DiskReads):
         total = 0
         for packed in batch:
             sizes = packed_sizes(packed, self.dtype)
+            if self._buffer_bytes > 0 and packed.regular:
+                total += self._append_block_blocking(packed, int(sizes[0]))
+                continue
             total += self._append_blocking(
                 list(packed.outputs), list(packed.inputs), packed.shapes, [packed.payload], sizes
             )
@@ -210,7 +219,7 @@ class DiskShardStore(DiskReads):
             shape_ids = self._shape_ids_locked(shapes)
         rows = np.empty(len(outputs), dtype=ENTRY)
         rows["output"], rows["input"], rows["nbytes"] = outputs, inputs, sizes
-        rows["shape"] = shape_ids
+        rows["shape"], rows["group"] = shape_ids, -1
         if admitted is not None:  # some were stored before: write the others only
             keep = np.asarray(admitted, dtype=bool)
             payloads = _split_kept(payloads, np.asarray(sizes, dtype=np.int64), keep)
@@ -227,6 +236,41 @@ class DiskShardStore(DiskReads):
                 self._ledger.stored(len(rows), total, held=not self._closed)
             return total
         views = _shard_views(payloads, rows["nbytes"])
+        return self._gather_blocking(
+            (rows, views), rows["output"], total, lambda: pair_keys(rows["output"], rows["input"])
+        )
+
+    def _append_block_blocking(self, packed: Packed, size: int) -> int:
+        """Gather a regular batch (shards of ``size`` bytes) whole, as one
+        :class:`~rechunk_p2p.buffers.disk_blocks.Block`: no index row or view per shard."""
+        outputs = np.asarray(packed.outputs, dtype=np.int64)
+        input_ = packed.inputs[0]
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, "write shards")
+            admitted = self._ledger.admit_batch(input_, outputs)
+            shape_id = self._shape_ids_locked(packed.shapes[:1])
+        payload = packed.payload.reshape(-1).view(np.uint8)
+        if admitted is not None:  # some were stored before: keep the others only
+            payload = payload.reshape(len(outputs), size)[admitted].reshape(-1)
+            outputs = outputs[admitted]
+        if not len(outputs):
+            return 0
+        block = Block(outputs, input_, int(shape_id), size, payload)
+        return self._gather_blocking(
+            block, outputs, block.nbytes, lambda: pair_keys(outputs, input_)
+        )
+
+    def _gather_blocking(
+        self,
+        item: _Pending,
+        outputs: np.ndarray,
+        total: int,
+        pairs: Callable[[], np.ndarray],
+    ) -> int:
+        """Add ``item`` (``total`` bytes of shards for ``outputs``; ``pairs``, their pair
+        keys) to the write buffer, once there is room; hand the buffer to the flush thread
+        when it is half full. Returns ``total``."""
         with self._lock:
             # room first: the write in flight and the gathered shards stay within the buffer
             while self._flushing and (
@@ -234,14 +278,14 @@ class DiskShardStore(DiskReads):
             ):
                 self._idle.wait()
             if self._closed:
-                self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
+                self._ledger.forget_keys(pairs())
                 raise closed_error(self.kind, self.name, "write shards")
             self._raise_flush_error_locked()
-            self._pending.append((rows, views))
+            self._pending.append(item)
             self._pending_bytes += total
             self._ledger.in_memory(self._pending_bytes + self._flushing)
-            self._held.update(rows["output"].tolist())
-            self._ledger.stored(len(rows), total)
+            self._held.update(outputs.tolist())
+            self._ledger.stored(len(outputs), total)
             full = self._take_full_locked()
         if full:
             self._flush_pool().submit(self._flush_in_background_blocking, full)
@@ -256,7 +300,7 @@ class DiskShardStore(DiskReads):
                 self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rechunk-p2p-flush")
             return self._flusher
 
-    def _take_full_locked(self) -> list[tuple[np.ndarray, list[memoryview]]]:
+    def _take_full_locked(self) -> list[_Pending]:
         """The gathered shards to write in the background, once they are half the write
         buffer and no write is in flight (else the flush thread takes them when it is done).
         Hold `_lock`."""
@@ -266,9 +310,7 @@ class DiskShardStore(DiskReads):
         self._inflight += 1  # close waits for it
         return self._take_pending_locked()
 
-    def _flush_in_background_blocking(
-        self, pending: list[tuple[np.ndarray, list[memoryview]]]
-    ) -> None:
+    def _flush_in_background_blocking(self, pending: list[_Pending]) -> None:
         """On the flush thread: write gathered shards, then those gathered meanwhile if they
         are half the buffer; an error is kept for the store's next write or read to raise."""
         while pending:
@@ -288,30 +330,52 @@ class DiskShardStore(DiskReads):
         if self._flush_error is not None:
             raise self._flush_error
 
-    def _take_pending_locked(self) -> list[tuple[np.ndarray, list[memoryview]]]:
+    def _take_pending_locked(self) -> list[_Pending]:
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         return pending
 
-    def _flush_blocking(self, pending: list[tuple[np.ndarray, list[memoryview]]]) -> None:
+    def _flush_blocking(self, pending: list[_Pending]) -> None:
         """Write gathered shards ordered by output and input, so that each output's shards
-        lie one after another in the file: reading it back is one ``pread`` per flush."""
-        rows = np.concatenate([r for r, _ in pending])
-        views = [v for _, vs in pending for v in vs]
-        order = np.lexsort((rows["input"], rows["output"]))
+        lie one after another in the file: reading it back is one ``pread`` per flush.
+        Regular batches are written a group at a time, one index row per output (see
+        :mod:`rechunk_p2p.buffers.disk_blocks`)."""
+        blocks = [p for p in pending if isinstance(p, Block)]
+        shards = [p for p in pending if not isinstance(p, Block)]
         try:
-            self._write_rows_blocking(rows[order], [views[k] for k in order.tolist()])
+            if shards:
+                rows = np.concatenate([r for r, _ in shards])
+                views = [v for _, vs in shards for v in vs]
+                order = np.lexsort((rows["input"], rows["output"]))
+                self._write_rows_blocking(rows[order], [views[k] for k in order.tolist()])
+            for outputs, members in grouped(blocks):
+                group = group_of(members)
+                with self._lock:
+                    group_id = len(self._groups)
+                    self._groups.append(group)
+                for outs, data in slabs(outputs, members):
+                    rows = group_rows(outs, group_id, group.row_bytes)
+                    pairs = functools.partial(_group_keys, outs, group)
+                    self._write_rows_blocking(rows, [memoryview(data)], pairs)
         except RechunkRunError:
             if not self._closed:
                 raise
             # closed meanwhile: the shards were accepted before, and dropped by the close
 
-    def _write_rows_blocking(self, rows: np.ndarray, views: list[memoryview]) -> None:
+    def _write_rows_blocking(
+        self,
+        rows: np.ndarray,
+        views: list[memoryview],
+        pairs: Callable[[], np.ndarray] | None = None,
+    ) -> None:
         """Write ``views`` (the bytes of ``rows``, in order) at the end of the data file, then
-        publish the rows with their offsets."""
+        publish the rows with their offsets. ``pairs``: the pair keys of the shards, where
+        the rows are not one a shard."""
+        if pairs is None:
+            pairs = functools.partial(pair_keys, rows["output"], rows["input"])
         total = int(rows["nbytes"].sum())
         with self._lock:
             if self._closed:
-                self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
+                self._ledger.forget_keys(pairs())
                 raise closed_error(self.kind, self.name, "write shards")
             if self._direct_io is None:
                 self._direct_io = worth_direct(total, len(np.unique(rows["output"])))
@@ -325,7 +389,7 @@ class DiskShardStore(DiskReads):
             self._write_at_blocking(fd, views, start)
         except OSError as exc:
             with self._lock:
-                self._ledger.forget_keys(pair_keys(rows["output"], rows["input"]))
+                self._ledger.forget_keys(pairs())
                 self._release_locked()
             raise self._storage_error(exc, f"write {total} bytes of shards") from exc
         with self._lock:
@@ -421,6 +485,7 @@ class DiskShardStore(DiskReads):
             while self._inflight:
                 self._idle.wait()
             self._index.clear()
+            self._groups.clear()
             self._pending.clear()
             self._pending_bytes = 0
             self._unsorted.clear()
@@ -463,6 +528,15 @@ class DiskShardStore(DiskReads):
 
 
 # -- plain helpers (blocking) ----------------------------------------------------------
+
+#: What the write buffer gathers: shards (their index rows and one view each), or a regular
+#: batch whole.
+_Pending = tuple[np.ndarray, list[memoryview]] | Block
+
+
+def _group_keys(outputs: np.ndarray, group: Group) -> np.ndarray:
+    """The pair keys of the shards of ``group`` for ``outputs``."""
+    return pair_keys(*group_pairs(outputs, group))
 
 
 def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list[memoryview]:

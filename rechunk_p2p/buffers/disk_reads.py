@@ -17,6 +17,7 @@ import numpy as np
 
 from rechunk_p2p.buffers.base import closed_error, owned_array, place_blocking
 from rechunk_p2p.buffers.direct import DirectFile
+from rechunk_p2p.buffers.disk_blocks import Group, expand_rows
 from rechunk_p2p.buffers.files import preadv_all, read_targets_blocking
 from rechunk_p2p.buffers.ledger import ShardLedger
 from rechunk_p2p.errors import RechunkRunError, RechunkStorageError
@@ -52,8 +53,9 @@ class DiskReads:
     _shapes: list[tuple[int, ...]]
     _ledger: ShardLedger
     _release_locked: Callable[[], None]
-    _take_pending_locked: Callable[[], list[tuple[np.ndarray, list[memoryview]]]]
-    _flush_blocking: Callable[[list[tuple[np.ndarray, list[memoryview]]]], None]
+    _groups: list[Group]
+    _take_pending_locked: Callable[[], list]
+    _flush_blocking: Callable[[list], None]
     _raise_flush_error_locked: Callable[[], None]
     _storage_error: Callable[..., RechunkStorageError]
 
@@ -121,11 +123,13 @@ class DiskReads:
                 raise closed_error(self.kind, self.name, f"read output {output}")
             parts = self._index.pop(output, None)
             self._held.discard(output)
+            groups = self._groups
         if not parts:
             return None
-        if len(parts) == 1:
-            return parts[0]
-        rows = np.concatenate(parts)
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(parts) == 1 and not (rows["group"] >= 0).any():
+            return rows  # filed sorted by input
+        rows = expand_rows(rows, groups)
         return rows[np.argsort(rows["input"], kind="stable")]
 
     def _read_output_blocking(
@@ -163,8 +167,7 @@ class DiskReads:
     def _read_stacked_entries_blocking(
         self, fd: int, output: int, rows: np.ndarray, out: np.ndarray, order: list[int]
     ) -> list[int]:
-        position = {input_: k for k, input_ in enumerate(order)}
-        ranks = np.array([position.get(i, -1) for i in rows["input"].tolist()], dtype=np.int64)
+        ranks = _ranks(np.asarray(order, dtype=np.int64), rows["input"])
         rows, ranks = rows[ranks >= 0], ranks[ranks >= 0]
         sorted_rows = rows[np.argsort(ranks, kind="stable")]
         gaps = np.flatnonzero(np.sort(ranks) != np.arange(len(ranks)))
@@ -268,6 +271,20 @@ class DiskReads:
         for input_, position, buffer in raw:
             result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer))))
         return result
+
+
+def _ranks(order: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+    """The position in ``order`` (distinct inputs) of each of ``inputs``; -1 where absent.
+
+    >>> _ranks(np.array([7, 3, 5]), np.array([5, 4, 7])).tolist()
+    [2, -1, 0]
+    """
+    if not len(order):
+        return np.full(len(inputs), -1, dtype=np.int64)
+    sorter = np.argsort(order, kind="stable")
+    at = np.minimum(np.searchsorted(order, inputs, sorter=sorter), len(order) - 1)
+    ranks = sorter[at]
+    return np.where(order[ranks] == inputs, ranks, -1)
 
 
 def _columns(rows: np.ndarray) -> Iterable[tuple[int, int, int, int]]:
