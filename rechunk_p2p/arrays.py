@@ -21,6 +21,7 @@ from dask.array.utils import validate_axis
 from dask.base import tokenize
 
 from rechunk_p2p import config
+from rechunk_p2p.chunk_sizes import check_chunk_sizes
 from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
@@ -188,7 +189,8 @@ def normalize(
     if x.ndim > 0 and all(s == 0 for s in x.shape):
         return x.chunks
     chunks = _fill_unspecified(x, chunks)
-    _check_sizes(x, chunks)
+    per_axis = chunks if isinstance(chunks, tuple) else (chunks,) * x.ndim
+    check_chunk_sizes(per_axis, x.shape, f"array {x.name}")
     try:
         new = normalize_chunks(
             chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks
@@ -282,21 +284,6 @@ def _fill_unspecified(x: da.Array, chunks: Any) -> Any:
     if isinstance(chunks, (tuple, list)):
         return tuple(rc if lc is None else lc for lc, rc in zip(chunks, x.chunks))
     return chunks
-
-
-def _check_sizes(x: da.Array, chunks: Any) -> None:
-    """A chunk size (one number per axis) must be positive, -1 or ``"auto"`` (dask itself
-    fails on zero with a bare ZeroDivisionError, and on negatives with a puzzling message)."""
-    per_axis = chunks if isinstance(chunks, tuple) else (chunks,) * x.ndim
-    for axis, (size, length) in enumerate(zip(per_axis, x.shape)):
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-            continue
-        if size == -1 or size > 0 or (size == 0 and length == 0):
-            continue
-        raise RechunkInputError(
-            f"Chunk size {int(size)} along axis {axis} (length {length}) is not a positive "
-            "size, -1 (the whole axis) or 'auto'"
-        )
 
 
 def _input_error(message: str, cause: Exception) -> RechunkInputError | RechunkTypeError:

@@ -30,6 +30,10 @@ _READ_ADVICE = (
 
 _T = TypeVar("_T")
 
+#: Below this many bytes per ``pread`` on average, an output's shards are read in runs of
+#: the file into a staging buffer and gathered into place at once (see _gather_blocking).
+GATHER_BELOW = 64 << 10
+
 
 class DiskReads:
     """**Thread-safe (guarded by `_lock`).** The reads of a disk store (see
@@ -195,6 +199,9 @@ class DiskReads:
             return [order[k] for k in range(present)]
         # a new pread wherever the next shard does not follow the previous one in the file
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sorted_rows["nbytes"][:-1]) + 1
+        if len(breaks) and int(ends[-1]) < GATHER_BELOW * (len(breaks) + 1):
+            _gather_blocking(fd, offsets, sorted_rows["nbytes"], starts, out)
+            return [order[k] for k in range(present)]
         bounds = np.concatenate(([0], breaks, [len(sorted_rows)])).tolist()
         for lo, hi in itertools.pairwise(bounds):
             if hi > lo:
@@ -271,6 +278,36 @@ class DiskReads:
         for input_, position, buffer in raw:
             result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer))))
         return result
+
+
+def _gather_blocking(
+    fd: int, offsets: np.ndarray, sizes: np.ndarray, starts: np.ndarray, out: np.ndarray
+) -> None:
+    """Fill ``out``'s bytes ``starts[k]:starts[k] + sizes[k]`` from the file's
+    ``offsets[k]:`` for every ``k``: one ``pread`` per run of shards adjacent in the file
+    into a staging buffer, then one gather into ``out`` (in units of the dtype's item where
+    the sizes allow). For outputs of many small shards whose order on disk is not theirs in
+    the output (shards that came in different flushes interleave)."""
+    by_file = np.argsort(offsets, kind="stable")
+    o, s = offsets[by_file], sizes[by_file]
+    total = int(s.sum())
+    stage = np.empty(total, dtype=np.uint8)
+    at = np.cumsum(s) - s  # where each shard lies in the staging buffer, in file order
+    runs = np.flatnonzero(o[1:] != o[:-1] + s[:-1]) + 1
+    for lo, hi in itertools.pairwise([0, *runs.tolist(), len(o)]):
+        first, last = int(at[lo]), int(at[hi - 1] + s[hi - 1])
+        preadv_all(fd, [memoryview(stage[first:last])], int(o[lo]))
+    source = np.empty_like(at)
+    source[by_file] = at
+    unit = out.dtype.itemsize if out.dtype.itemsize in (1, 2, 4, 8) else 1
+    if (sizes % unit).any() or (source % unit).any() or (starts % unit).any():
+        unit = 1
+    kind = np.dtype(f"u{unit}")
+    counts = sizes // unit
+    picks = np.arange(total // unit, dtype=np.int64)
+    picks += np.repeat((source - starts) // unit, counts)
+    flat = out.reshape(-1).view(np.uint8)[:total].view(kind)
+    np.take(stage.view(kind), picks, out=flat)
 
 
 def _ranks(order: np.ndarray, inputs: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ import zarr
 from dask.array.core import normalize_chunks
 
 from rechunk_p2p import config
+from rechunk_p2p.chunk_sizes import check_chunk_sizes
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 
 __all__ = [
@@ -311,6 +312,7 @@ def _regular_chunks(name: str, arr: zarr.Array, axes: Mapping[int, Any]) -> tupl
     """Resolve ``axes`` like ``Array.rechunk`` does; the result must be a zarr chunk shape."""
     label = f"array {name!r}" if name else "the array"
     spec = tuple(arr.chunks[i] if axes.get(i) is None else axes[i] for i in range(arr.ndim))
+    check_chunk_sizes(spec, tuple(arr.shape), label)
     try:
         resolved = normalize_chunks(
             spec, arr.shape, dtype=arr.dtype, previous_chunks=tuple(arr.chunks)
