@@ -89,3 +89,22 @@ def test_explicit_lengths_with_a_negative_or_fraction_are_refused():
     for lengths in [(4, -4), (2.5, 5.5)]:
         with pytest.raises(RechunkInputError, match=r"Chunk lengths .* along axis 0"):
             check_chunk_sizes((lengths,), (8,), "x")
+
+
+@pytest.mark.parametrize("coordinates", [False, True])
+def test_one_value_for_a_group_keeps_coordinates_unless_asked(source, coordinates):
+    """``--chunks 4``: every array of the group, but dimension coordinates (``time``,
+    ``lat``, ``lon``) keep their layout unless ``coordinates`` (``--include-coords``)."""
+    from rechunk_p2p.integrations.zarr_input import (
+        is_dimension_coordinate,
+        open_source,
+        resolve_layouts,
+    )
+
+    root = open_source(source)
+    layouts = {lay.name: lay for lay in resolve_layouts(root, 4, coordinates=coordinates)}
+    coords = [n for n, lay in layouts.items() if is_dimension_coordinate(n, lay.source)]
+    assert sorted(coords) == ["lat", "lon", "time"]
+    for name in coords:
+        assert layouts[name].rechunked is coordinates, name
+    assert layouts["temperature"].rechunked and layouts["temperature"].chunks == (4, 4, 4)

@@ -218,17 +218,19 @@ class _GroupKeys:
         """Per-axis spec for one array of the group, or ``None`` if nothing applies."""
         if spec is None:
             return None
+        coordinate = not self.coordinates and is_dimension_coordinate(name, arr)
         if not isinstance(spec, Mapping):
             if isinstance(spec, tuple | list):
                 raise RechunkInputError(
                     f"{what} for a group must be a dict keyed by dimension or array name "
                     f"(dimensions: {_names(self.dims)}), not a tuple"
                 )
-            return dict.fromkeys(range(arr.ndim), spec)
+            # one value for every axis of every array; a coordinate keeps its own layout
+            return None if coordinate else dict.fromkeys(range(arr.ndim), spec)
         self._check(spec, what)
         if name in spec and name not in self.dims:
             return _array_axes(name, arr, spec[name])
-        if not self.coordinates and is_dimension_coordinate(name, arr):
+        if coordinate:
             return None  # a coordinate (lat, time) keeps its own layout, as in xarray
         dims = dimension_names(arr) or ()
         return {i: spec[d] for i, d in enumerate(dims) if d in spec} or None
