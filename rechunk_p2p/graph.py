@@ -61,12 +61,14 @@ class BarrierTask(Task):
     scheduler finds the barrier by its key.
     """
 
-    spec: ShuffleSpec
-    __slots__ = ("spec",)
+    __slots__ = ()  # the spec lives in ``kwargs`` only: a copy (``substitute``) passes it on
 
     def __init__(self, key: Any, func: Any, /, *args: Any, spec: ShuffleSpec, **kwargs: Any):
-        self.spec = spec
         super().__init__(key, func, *args, spec=spec, **kwargs)
+
+    @property
+    def spec(self) -> ShuffleSpec:
+        return self.kwargs["spec"]
 
     @property
     def block_fusion(self) -> bool:

@@ -470,3 +470,22 @@ async def test_no_workers_left_fails_with_one_clear_error(c, s, a, b):
         await asyncio.wait_for(future, 30)
     while plugin.active:  # the barrier's failure closes the run
         await asyncio.sleep(0.01)
+
+
+def test_a_barrier_task_survives_substitution():
+    """dask copies tasks with ``substitute`` (e.g. when a delayed call takes the array):
+    the barrier keeps its spec and stays a barrier."""
+    from dask._task_spec import TaskRef
+
+    import rechunk_p2p
+    from rechunk_p2p.graph import BarrierTask
+
+    x = da.ones((8, 8), chunks=(1, 8))
+    y = rechunk_p2p.rechunk(x, (8, 1))
+    barriers = [t for t in dict(y.__dask_graph__()).values() if isinstance(t, BarrierTask)]
+    assert len(barriers) == 1
+    (barrier,) = barriers
+    dep = next(iter(barrier.dependencies))
+    copy = barrier.substitute({dep: TaskRef(("renamed", 0))})
+    assert isinstance(copy, BarrierTask) and copy.spec is barrier.spec
+    assert ("renamed", 0) in copy.dependencies and dep not in copy.dependencies

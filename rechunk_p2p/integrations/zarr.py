@@ -9,20 +9,16 @@ the worker that assembled it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
+import os
 import time
-import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import dask
 import dask.array as da
 import distributed
-import zarr
-from dask.utils import format_bytes, format_time, parse_bytes
+from dask.utils import format_bytes, parse_bytes
 
 from rechunk_p2p import config
 from rechunk_p2p.arrays import plan_array, rechunk_array
@@ -36,11 +32,27 @@ from rechunk_p2p.integrations.zarr_input import (
     open_source,
     resolve_layouts,
 )
+from rechunk_p2p.integrations.zarr_report import ZarrRechunkReport, lag_of, lag_probe
+from rechunk_p2p.integrations.zarr_run import run_writes
 from rechunk_p2p.integrations.zarr_target import (
     consolidate,
     create_target,
     describe,
     is_consolidated,
+    open_target,
+)
+from rechunk_p2p.integrations.zarr_writes import (
+    RUN_RECORD,
+    check_resumable,
+    done_chunks,
+    finish_run,
+    lazy_run,
+    missing_keys,
+    read_run_record,
+    root_store,
+    run_record_of,
+    write_arrays,
+    write_run_record,
 )
 
 __all__ = [
@@ -50,83 +62,8 @@ __all__ = [
     "open_source",
     "plan_zarr",
     "rechunk_zarr",
-    "store_arrays",
+    "source_arrays",
 ]
-
-
-@dataclass(frozen=True)
-class ZarrRechunkReport:
-    """**Immutable.** What :func:`rechunk_zarr` did.
-
-    Attributes
-    ----------
-    source, target : str
-        Where the data came from and went.
-    zarr_format : int
-        Format of the target.
-    arrays : tuple of ArrayLayout
-        Every array written, with its new layout.
-    seconds : float
-        Wall time from creating the target to the last chunk written.
-    statistics : dict
-        Change in :func:`rechunk_p2p.api.cluster_statistics` over the call
-        (``bytes_spilled``, ``bytes_sent``, ``bytes_received``, ``runs``, and the seconds
-        per phase, ``seconds_cut`` ... ``seconds_assemble``).
-    loop_lag : tuple, optional
-        Event-loop lag over the call: ``(p99 ms, max ms, workers)`` of the scheduler and
-        the workers together; ``None`` if it could not be measured.
-    """
-
-    source: str
-    target: str
-    zarr_format: int
-    arrays: tuple[ArrayLayout, ...]
-    seconds: float
-    statistics: Mapping[str, float] = field(default_factory=dict)
-    loop_lag: tuple[float, float, int] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Uncompressed bytes of all arrays written."""
-        return sum(a.nbytes for a in self.arrays)
-
-    @property
-    def throughput(self) -> float:
-        """Uncompressed bytes per second."""
-        return self.nbytes / self.seconds if self.seconds > 0 else float("nan")
-
-    @property
-    def bytes_spilled(self) -> int:
-        """Bytes the engine buffered on the workers' disks during the call."""
-        return int(self.statistics.get("bytes_spilled", 0))
-
-    def __str__(self) -> str:
-        n_copied = sum(not a.rechunked for a in self.arrays)
-        lines = [
-            f"rechunked {self.source} -> {self.target} (zarr format {self.zarr_format})",
-            f"  arrays:     {len(self.arrays)} ({n_copied} copied in their own layout)",
-            f"  bytes:      {format_bytes(self.nbytes)} uncompressed",
-            f"  time:       {format_time(self.seconds)}",
-            f"  throughput: {format_bytes(int(self.throughput))}/s"
-            if self.seconds > 0
-            else "  throughput: n/a",
-            f"  sent between workers: {format_bytes(self.statistics.get('bytes_sent', 0))}",
-            f"  spilled to disk:      {format_bytes(self.bytes_spilled)}",
-            _lag_text(self.loop_lag),
-        ]
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        """The report as tables: the totals, then one row per array (Jupyter)."""
-        from rechunk_p2p.diagnostics.html import table_html
-
-        title, *summary = str(self).splitlines()
-        rows = [tuple(part.strip() for part in line.split(":", 1)) for line in summary]
-        arrays = [
-            (a.name, a.chunks, a.shards or "", "rechunked" if a.rechunked else "copied")
-            for a in self.arrays
-        ]
-        return table_html(title, rows, (("array", "chunks", "shards", "layout"), arrays))
 
 
 def rechunk_zarr(
@@ -138,6 +75,7 @@ def rechunk_zarr(
     zarr_format: int | None = None,
     array_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     storage: str | None = None,
     progress: bool = True,
     client: distributed.Client | str | None = None,
@@ -173,7 +111,12 @@ def rechunk_zarr(
         ``compressors``, ``filters``, ``serializer``, ``fill_value``, ``order``,
         ``chunk_key_encoding``. By default they are copied from the source.
     overwrite : bool
-        Replace an existing zarr store at ``target``.
+        Replace an existing zarr store at ``target`` (or an unfinished run there).
+    resume : bool
+        Continue an unfinished run at ``target`` (one stopped by an interrupt, a lost
+        client or cluster): the source, arrays, chunks and format must be the interrupted
+        run's; the chunks it completed are kept, the others are written (only the source
+        chunks that feed them are read).
     storage : {"disk", "memory", "auto"}, optional
         Where workers buffer shards (``rechunk-p2p.storage``); by default the config.
     progress : bool
@@ -221,7 +164,10 @@ def rechunk_zarr(
     sized to the machine that lives for the call. Each output chunk of the rechunk is one
     target chunk (or shard), written by one task without locks. Attributes, dimension
     names, fill values, codecs, the group hierarchy and consolidated metadata are kept. If
-    the call fails, the target it created is removed.
+    a task fails, the target is removed once every write has stopped; a run stopped
+    otherwise (Ctrl-C, SIGTERM, a lost cluster or client) leaves the target marked
+    unfinished (a ``.rechunk-p2p`` directory in it), for ``resume=True`` or
+    ``overwrite=True``.
     """
     job = check_zarr_rechunk(
         source,
@@ -231,6 +177,7 @@ def rechunk_zarr(
         zarr_format=zarr_format,
         array_options=array_options,
         overwrite=overwrite,
+        resume=resume,
         storage=storage,
         coordinates=coordinates,
         storage_options=storage_options,
@@ -300,28 +247,49 @@ class ZarrRechunk:
         ]
         return table_html(repr(self)[1:-1], rows)
 
-    def to_dask(self) -> list[da.Array]:
-        """The rechunk as dask arrays, one per array: computing them writes the target.
+    def to_dask(self) -> list[Any]:
+        """The rechunk as a list holding one ``dask.delayed`` object: computing it writes
+        every chunk of the target, then its consolidated metadata where the source had it,
+        and returns ``{"chunks": <chunks written>}`` (nothing of the data).
 
         Creates the empty target first (as rechunker does when it plans). For when the
-        rechunk is part of a larger graph; :meth:`execute` is the usual way (it also reports
-        and removes the target on failure). Either can be used once.
+        rechunk is part of a larger graph; :meth:`execute` is the usual way (it also reports,
+        and stops cleanly on failure). Either can be used once; not with ``resume``.
         """
+        if self._job.dest.resume:
+            raise RechunkInputError("to_dask() writes a new target; resume with execute()")
         self._claim()
         try:
             client = distributed.get_client()
         except ValueError:
             client = None
-        return self._stored(client)
+        written, _ = self._prepare(client)
+        job = self._job
+        fmt = job.zarr_format if is_consolidated(job.root) else None
+        return [lazy_run(job.dest.location, fmt, written)]
 
-    def _stored(self, client: distributed.Client | None) -> list[da.Array]:
-        """Create the empty target; the arrays whose computation writes it."""
+    def _prepare(
+        self, client: distributed.Client | None
+    ) -> tuple[list[da.Array], list[set[tuple[int, ...]]]]:
+        """Create the empty target (marked unfinished), or open the unfinished one to
+        resume; the arrays whose tasks write it, and per array the chunks already written."""
+        job = self._job
         storage = self._storage
         if storage is None and client is not None:
             storage = _storage_within(self._max_mem, self.plan, client)
-        self._job.dest.clear()
-        targets = create_target(self._job)
-        return store_arrays(self._job.layouts, targets, storage=storage, limit=self._max_mem)
+        store = root_store(job.dest.location)
+        record = run_record_of(describe(job.root), job.layouts, job.zarr_format)
+        if job.dest.resume:
+            check_resumable(read_run_record(store), record, str(job.dest))
+            targets = open_target(job)
+            done = done_chunks(store, len(job.layouts))
+        else:
+            job.dest.clear()
+            write_run_record(store, record)  # first: the target is recognisably unfinished
+            targets = create_target(job)
+            done = [set() for _ in job.layouts]
+        arrays = source_arrays(job.layouts, storage=storage, limit=self._max_mem)
+        return write_arrays(arrays, targets, store), done
 
     def _claim(self) -> None:
         if self._done:
@@ -329,20 +297,34 @@ class ZarrRechunk:
         self._done = True
 
     def execute(self) -> ZarrRechunkReport:
-        """Run the rechunk (once) and return its report. If it fails, the target it created
-        is removed."""
+        """Run the rechunk (once) and return its report.
+
+        If a task fails, the target is removed once every write has stopped; if the run is
+        stopped otherwise (an interrupt, a lost cluster), the target stays marked unfinished
+        for ``resume=True``.
+        """
         self._claim()
         job = self._job
-        with client_for(self._client) as client, _lag_probe(client) as probe:
+        with client_for(self._client) as client, lag_probe(client) as probe:
             before = cluster_statistics(client)
             start = time.perf_counter()
+            written, done = self._prepare(client)
+            graph, keys = missing_keys(written, done)
             try:
-                _run(client, self._stored(client), progress=self._progress)
-                if is_consolidated(job.root):
-                    consolidate(job.dest.location, job.zarr_format)
-            except BaseException:
-                job.dest.remove()
+                run_writes(
+                    client, graph, keys, progress=self._progress, on_task_error=job.dest.remove
+                )
+            except BaseException as e:
+                if _unfinished(job.dest.location):
+                    _note(
+                        e,
+                        f"{job.dest} holds an unfinished run: resume it with resume=True "
+                        "(--resume), or start over with overwrite=True (--overwrite)",
+                    )
                 raise
+            if is_consolidated(job.root):
+                consolidate(job.dest.location, job.zarr_format)
+            finish_run(root_store(job.dest.location))  # last: the target is whole
             seconds = time.perf_counter() - start
             after = cluster_statistics(client)
         return ZarrRechunkReport(
@@ -352,38 +334,28 @@ class ZarrRechunk:
             arrays=job.layouts,
             seconds=seconds,
             statistics={k: after.get(k, 0) - before.get(k, 0) for k in after},
-            loop_lag=_lag_of(probe),
+            loop_lag=lag_of(probe),
+            chunks_written=len(keys),
+            chunks_resumed=sum(len(d) for d in done),
         )
 
 
-@contextlib.contextmanager
-def _lag_probe(client: distributed.Client) -> Iterator[Any]:
-    """Event-loop lag of every server while the block runs (``None`` if not measurable)."""
-    from rechunk_p2p.integrations import event_loop_probe
-
-    with contextlib.ExitStack() as stack:
-        try:
-            probe = stack.enter_context(event_loop_probe(client))
-        except Exception as e:  # the lag is a nicety: never fail a rechunk over it
-            warnings.warn(f"cannot measure event-loop lag: {e}", RuntimeWarning, stacklevel=3)
-            probe = None
-        yield probe
+def _unfinished(location: Any) -> bool:
+    """Whether ``location`` holds an unfinished run (``False`` if it cannot be read)."""
+    if isinstance(location, str):  # (opening a local store would create its directory)
+        return os.path.isfile(os.path.join(location, RUN_RECORD))
+    try:
+        return read_run_record(root_store(location)) is not None
+    except Exception:
+        return False
 
 
-def _lag_of(probe: Any) -> tuple[float, float, int] | None:
-    report = getattr(probe, "report", None)
-    if report is None:
-        return None
-    return (report.overall.p99_ms, report.overall.max_ms, len(report.workers()))
-
-
-def _lag_text(lag: tuple[float, float, int] | None) -> str:
-    if lag is None:
-        return "  event-loop lag: not measured"
-    p99, worst, workers = lag
-    return (
-        f"  event-loop lag: p99 {p99:.1f} ms, max {worst:.1f} ms (scheduler and {workers} workers)"
-    )
+def _note(error: BaseException, note: str) -> None:
+    """Add ``note`` to ``error`` (shown under its traceback; the CLI prints it)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
 def plan_zarr(
@@ -442,49 +414,26 @@ def _budget_settings(max_mem: int | None) -> dict[str, Any]:
     }
 
 
-def store_arrays(
+def source_arrays(
     layouts: tuple[ArrayLayout, ...],
-    targets: list[zarr.Array],
     *,
     storage: str | None = None,
     limit: int | None = None,
 ) -> list[da.Array]:
-    """Lazy arrays whose tasks read, rechunk and write every array; one task per target
-    chunk (or shard), each returning its target, never the data.
+    """Lazy arrays of every array in its target layout: each chunk is one whole target
+    chunk (or shard), so that one task writes it, once, without locks.
 
-    The rechunk's output chunks are the targets' write units, so every chunk (or shard)
-    is written whole, once, without locks. ``storage`` is set around graph construction;
-    ``limit`` (a ``max_mem`` budget) is the rechunk's ``block_size_limit``, and half of it
-    bounds each worker's queue of the rechunk's shards waiting to be sent.
+    ``storage`` is set around graph construction; ``limit`` (a ``max_mem`` budget) is the
+    rechunk's ``block_size_limit``, and half of it bounds each worker's queue of the
+    rechunk's shards waiting to be sent.
     """
     settings = _budget_settings(limit)
     if storage:
         settings["rechunk-p2p.storage"] = storage
     with dask.config.set(settings):
-        arrays = [
+        return [
             rechunk_array(_read(lay), lay.write_chunks, block_size_limit=limit)
             if lay.rechunked
             else _read(lay)
             for lay in layouts
         ]
-    stored = da.store(
-        arrays, targets, lock=False, compute=False, return_stored=True, load_stored=False
-    )
-    return list(stored) if isinstance(stored, tuple | list) else [stored]
-
-
-def _run(client: distributed.Client, stored: list[da.Array], *, progress: bool) -> None:
-    """Run the store tasks to the end on ``client``'s cluster; raise the first error."""
-    futures = distributed.futures_of(client.persist(stored))
-    try:
-        if progress and sys.stderr.isatty():
-            # distributed's text bar writes to stdout; animate it on the terminal's stderr,
-            # and not at all into a log or a pipe (it would write thousands of updates)
-            with contextlib.redirect_stdout(sys.stderr):
-                distributed.progress(futures, notebook=False)
-        distributed.wait(futures)
-        for future in futures:
-            if future.status != "finished":
-                future.result()  # raises the task's error
-    finally:
-        client.cancel(futures)  # release the results, and stop the work after an error

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -21,7 +20,8 @@ from dask.array.core import normalize_chunks
 
 from rechunk_p2p import config
 from rechunk_p2p.chunk_sizes import check_chunk_sizes
-from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
+from rechunk_p2p.errors import RechunkInputError
+from rechunk_p2p.integrations.zarr_destination import Target, is_url, local_root
 
 __all__ = [
     "ARRAY_OPTIONS",
@@ -39,7 +39,6 @@ __all__ = [
 ARRAY_OPTIONS = frozenset(
     {"compressors", "filters", "serializer", "fill_value", "order", "chunk_key_encoding"}
 )
-_METADATA_FILES = ("zarr.json", ".zgroup", ".zarray")
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class ZarrRechunkJob:
     layouts: tuple[ArrayLayout, ...]
     zarr_format: int
     array_options: Mapping[str, Any]
-    dest: _Target
+    dest: Target
 
 
 def check_zarr_rechunk(
@@ -62,6 +61,7 @@ def check_zarr_rechunk(
     zarr_format: int | None = None,
     array_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     storage: str | None = None,
     coordinates: bool = False,
     storage_options: Mapping[str, Any] | None = None,
@@ -79,7 +79,9 @@ def check_zarr_rechunk(
     options = _check_array_options(array_options)
     if storage is not None:
         config.storage(storage)
-    dest = _Target.of(target, root, overwrite=overwrite, storage_options=storage_options)
+    dest = Target.of(
+        target, root, overwrite=overwrite, resume=resume, storage_options=storage_options
+    )
     return ZarrRechunkJob(root, layouts, fmt, options, dest)
 
 
@@ -96,7 +98,7 @@ def open_source(
     """
     if isinstance(source, zarr.Array | zarr.Group):
         return source
-    if isinstance(source, str | os.PathLike) and not _is_url(source):
+    if isinstance(source, str | os.PathLike) and not is_url(source):
         source = os.path.expanduser(os.fspath(source))
         if not os.path.exists(source):
             raise RechunkInputError(f"source {source!r} does not exist")
@@ -390,127 +392,3 @@ def _check_array_options(array_options: Mapping[str, Any] | None) -> dict[str, A
             f"array_options {unknown} are not supported; choose from {sorted(ARRAY_OPTIONS)}"
         )
     return options
-
-
-def _is_url(path: Any) -> bool:
-    return isinstance(path, str) and "://" in path
-
-
-def local_root(store: Any, path: str = "") -> str | None:
-    """The directory of ``path`` inside a local store, else ``None``."""
-    if isinstance(store, zarr.storage.LocalStore):
-        return os.path.realpath(os.path.join(str(store.root), path))
-    return None
-
-
-@dataclass(frozen=True)
-class _Target:
-    """**Immutable.** Where the target goes and whether it was there before the call."""
-
-    location: Any
-    path: str | None
-    existed: bool
-
-    @classmethod
-    def of(
-        cls,
-        target: Any,
-        root: zarr.Array | zarr.Group,
-        *,
-        overwrite: bool,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> _Target:
-        """Check ``target`` against the source and ``overwrite``; touch nothing."""
-        target = _local_or_store(target, storage_options)
-        if isinstance(target, str):
-            path = target
-            existed = os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
-            _check_overlap(path, local_root(root.store, root.path))
-            if existed and overwrite and not _is_zarr_dir(path):
-                raise RechunkInputError(
-                    f"target {path!r} exists and is not a zarr store; refusing to delete it"
-                )
-            location: Any = path
-        else:
-            path, location, existed = None, target, _has_zarr_node(target)
-            if target == root.store:
-                raise RechunkInputError("target is the source's store; write to a new store")
-        if existed and not overwrite:
-            raise RechunkInputError(
-                f"target {path or target!r} already exists; pass overwrite=True "
-                "(--overwrite) to replace it"
-            )
-        return cls(location, path, existed)
-
-    def clear(self) -> None:
-        """Delete what an overwritten target held (called after all checks passed)."""
-        if self.existed:
-            self.remove()
-
-    def remove(self) -> None:
-        """Delete the target (after a failure, or before overwriting it)."""
-        if self.path is not None:
-            if os.path.isdir(self.path):
-                shutil.rmtree(self.path, ignore_errors=True)
-            elif os.path.exists(self.path):
-                os.remove(self.path)
-        elif isinstance(self.location, zarr.abc.store.Store):
-            from zarr.core.sync import sync
-
-            sync(self.location.clear())
-
-    def __str__(self) -> str:
-        return self.path or repr(self.location)
-
-
-def _local_or_store(target: Any, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """A local target as its absolute path, anything else as a zarr store."""
-    if isinstance(target, zarr.storage.LocalStore):
-        target = str(target.root)
-    elif isinstance(target, str) and target.startswith("file://"):
-        target = target[len("file://") :]
-    elif _is_url(target):
-        try:
-            return zarr.storage.FsspecStore.from_url(
-                target, storage_options=dict(storage_options or {}), read_only=False
-            )
-        except ImportError as e:
-            raise RechunkInputError(f"target {target!r} is a URL, which needs fsspec: {e}") from e
-    if isinstance(target, str | os.PathLike):
-        return os.path.realpath(os.path.expanduser(os.fspath(target)))
-    if isinstance(target, zarr.storage.MemoryStore):
-        raise RechunkInputError(
-            "the target is an in-memory store: workers would write to copies of it; "
-            "write to a path or a store the workers share"
-        )
-    if not isinstance(target, zarr.abc.store.Store):
-        raise RechunkTypeError(
-            f"target must be a path, URL or zarr store, not {type(target).__name__}"
-        )
-    return target
-
-
-def _check_overlap(target: str, source: str | None) -> None:
-    if source is None:
-        return
-    inside = os.path.commonpath([target, source]) in (target, source)
-    if inside:
-        raise RechunkInputError(
-            f"target {target!r} overlaps the source {source!r}; write to a separate path"
-        )
-
-
-def _is_zarr_dir(path: str) -> bool:
-    return os.path.isdir(path) and any(
-        os.path.exists(os.path.join(path, name)) for name in _METADATA_FILES
-    )
-
-
-def _has_zarr_node(store: Any) -> bool:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
-            zarr.open(store, mode="r")
-    except (FileNotFoundError, zarr.errors.BaseZarrError):
-        return False
-    return True

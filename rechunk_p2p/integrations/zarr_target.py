@@ -27,13 +27,23 @@ def create_target(job: ZarrRechunkJob) -> list[zarr.Array]:
     if isinstance(root, zarr.Array):
         kwargs = _array_kwargs(layouts[0], fmt, options)
         return [zarr.create_array(location, zarr_format=fmt, **kwargs)]  # a group sets it
-    group = zarr.open_group(location, mode="w-", zarr_format=fmt, attributes=dict(root.attrs))
+    # "a": the target holds the run record already (nothing else: it was cleared or new)
+    group = zarr.open_group(location, mode="a", zarr_format=fmt, attributes=dict(root.attrs))
     subgroups = sorted(
         name for name, node in root.members(max_depth=None) if isinstance(node, zarr.Group)
     )
     for name in subgroups:
         group.create_group(name, attributes=dict(root[name].attrs))
     return [group.create_array(lay.name, **_array_kwargs(lay, fmt, options)) for lay in layouts]
+
+
+def open_target(job: ZarrRechunkJob) -> list[zarr.Array]:
+    """The arrays of an unfinished target (to resume it), in layout order."""
+    location = job.dest.location
+    if isinstance(job.root, zarr.Array):
+        return [zarr.open_array(location, mode="r+", zarr_format=job.zarr_format)]
+    group = zarr.open_group(location, mode="r+", zarr_format=job.zarr_format)
+    return [group[lay.name] for lay in job.layouts]
 
 
 def _array_kwargs(layout: ArrayLayout, fmt: int, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from rechunk_p2p.integrations.zarr import (
     check_zarr_rechunk,
     plan_zarr,
     rechunk_zarr,
-    store_arrays,
+    source_arrays,
 )
 from tests.conftest import assert_clean_sync
 
@@ -132,9 +132,7 @@ def test_store_tasks_write_whole_shards(tmp_path):
     job = check_zarr_rechunk(
         src, tmp_path / "tgt.zarr", {"time": 4, "lat": 5}, shards={"time": 8, "lat": 10}
     )
-    targets = [np.empty(lay.source.shape, lay.source.dtype) for lay in job.layouts]
-
-    stored = store_arrays(job.layouts, targets)
+    stored = source_arrays(job.layouts)
 
     for lay, arr in zip(job.layouts, stored, strict=True):
         unit = lay.shards or lay.chunks
@@ -220,7 +218,7 @@ def test_failure_removes_created_target(p2p_client, tmp_path):
     with pytest.raises(Exception) as info:
         rechunk_zarr(src, tgt, {"time": -1, "lat": 5}, progress=False)
     assert not isinstance(info.value, RechunkInputError)
-    assert not tgt.exists()
+    assert not tgt.exists(), [str(p) for p in tgt.rglob("*")]
     assert_clean_sync(p2p_client)
 
 
@@ -305,7 +303,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, case):
 
     with pytest.raises(RechunkInputError, match=message):
         rechunk_zarr(source, tgt, chunks, progress=False, **kwargs)
-    assert not tgt.exists()
+    assert not tgt.exists(), [str(p) for p in tgt.rglob("*")]
 
 
 def test_existing_target_is_left_alone(tmp_path):
@@ -425,17 +423,24 @@ def test_report_has_the_event_loop_lag(p2p_client, tmp_path):
 
 
 def test_lazy_rechunk_as_a_dask_graph(p2p_client, tmp_path):
-    """to_dask(): the rechunk as dask arrays that write the target when computed."""
+    """to_dask(): one delayed object that writes the target when computed, returns a count
+    (nothing of the data), and consolidates the metadata as the source had it."""
     import dask
 
     src = tmp_path / "src.zarr"
-    make_climate_group(src, 3)
+    make_climate_group(src, 3)  # consolidated
     lazy = rechunk_zarr(src, tmp_path / "g.zarr", {"time": -1, "lat": 5}, compute=False)
-    arrays = lazy.to_dask()
-    assert len(arrays) == len(lazy.plan)
-    assert any(k[0].startswith("rechunk-p2p-out-") for a in arrays for k in a.__dask_graph__()
-               if isinstance(k, tuple))  # fmt: skip
-    dask.compute(*arrays)
+    parts = lazy.to_dask()
+    assert len(parts) == 1
+    graph = dict(parts[0].__dask_graph__())
+    assert any(isinstance(k, tuple) and k[0].startswith("rechunk-p2p-out-") for k in graph)
+    (result,) = dask.compute(*parts)
+    units = [(a.shape, a.shards or a.chunks) for a in arrays_of(tmp_path / "g.zarr").values()]
+    n_chunks = sum(math.prod(-(-n // u) for n, u in zip(*unit)) for unit in units)
+    assert result == {"chunks": n_chunks}
     assert_same_values(arrays_of(src)["temperature"], arrays_of(tmp_path / "g.zarr")["temperature"])
+    group = zarr.open_group(tmp_path / "g.zarr", mode="r")
+    assert group.metadata.consolidated_metadata is not None
+    assert not (tmp_path / "g.zarr" / ".rechunk-p2p").exists()
     with pytest.raises(RechunkInputError, match="executed already"):
         lazy.execute()
