@@ -17,7 +17,9 @@ import argparse
 import contextlib
 import logging
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -39,17 +41,21 @@ class UsageError(RechunkInputError):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rechunk-p2p`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: cleanly, one line
     try:
         command, args = parse_args(argv)
         return command(args)
     except UsageError as e:
         _fail(f"{e} (see {PROG} --help)")
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        _fail("interrupted")
+    except KeyboardInterrupt as e:
+        notes = getattr(e, "__notes__", None)
+        _fail("interrupted" + (f"; {notes[0]}" if notes else ""))
         return 130
     except (RechunkP2PError, OSError) as e:
-        _fail(str(e) or type(e).__name__)
+        notes = getattr(e, "__notes__", None)
+        _fail((str(e) or type(e).__name__) + (f"; {notes[0]}" if notes else ""))
         return EXIT_FAILED
 
 
@@ -154,7 +160,17 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="path or URL of the new zarr store")
     _add_layout(p)
     p.add_argument("--zarr-format", type=int, choices=(2, 3), help="default: as the source")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing target")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing target (or an unfinished run there)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish an interrupted run into TARGET: same source, chunks and format; the "
+        "chunks it completed are kept",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_cluster(p, scheduler=True)
     p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
@@ -267,6 +283,7 @@ def run_command(args: argparse.Namespace) -> int:
         "shards": args.shards,
         "zarr_format": args.zarr_format,
         "overwrite": args.overwrite,
+        "resume": args.resume,
         "storage": args.storage,
         "coordinates": args.include_coords,
         "storage_options": args.storage_options,
@@ -351,16 +368,17 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
         with client:
             yield client
         return
-    with (
-        distributed.LocalCluster(
+    from rechunk_p2p.integrations.local_client import workers_ignore_interrupts
+
+    with workers_ignore_interrupts():  # Ctrl-C stops the run here, not the workers
+        local = distributed.LocalCluster(
             n_workers=args.workers,
             threads_per_worker=args.threads_per_worker,
             memory_limit=args.memory_limit,
             dashboard_address=":0",
             silence_logs=logging.ERROR,
-        ) as local,
-        distributed.Client(local) as client,
-    ):
+        )
+    with local, distributed.Client(local) as client:
         try:
             yield client
         finally:
@@ -373,6 +391,10 @@ def _quiet_shutdown() -> None:
     scheduler's close logs a traceback (distributed's "Failed to communicate with scheduler
     during heartbeat"), which is noise once the work is done."""
     logging.getLogger("distributed.worker").setLevel(logging.CRITICAL)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _fail(message: str) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 import distributed
@@ -38,11 +40,30 @@ def client_for(given: distributed.Client | str | None = None) -> Iterator[distri
         yield client
         return
     _require_main_guard()
-    with (
-        distributed.LocalCluster(dashboard_address=":0") as cluster,
-        distributed.Client(cluster) as client,
-    ):
+    with workers_ignore_interrupts():
+        cluster = distributed.LocalCluster(dashboard_address=":0")
+    with cluster, distributed.Client(cluster) as client:
         yield client
+
+
+@contextlib.contextmanager
+def workers_ignore_interrupts() -> Iterator[None]:
+    """Worker processes started in the block ignore SIGINT (they inherit an ignored signal).
+
+    Ctrl-C in a terminal signals every process of the foreground group: the workers of a
+    local cluster would die at once (a traceback each) with chunks half written. Ignoring it
+    there leaves the interrupt to the caller, which stops the run, waits for the writes in
+    progress and closes the cluster in order. Only in the main thread (where signals are
+    handled); the caller's own handler is restored on leaving.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _require_main_guard() -> None:

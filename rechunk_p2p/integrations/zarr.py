@@ -33,7 +33,7 @@ from rechunk_p2p.integrations.zarr_input import (
     resolve_layouts,
 )
 from rechunk_p2p.integrations.zarr_report import ZarrRechunkReport, lag_of, lag_probe
-from rechunk_p2p.integrations.zarr_run import run_writes
+from rechunk_p2p.integrations.zarr_run import run_writes, wait_for_writers
 from rechunk_p2p.integrations.zarr_target import (
     consolidate,
     create_target,
@@ -281,6 +281,8 @@ class ZarrRechunk:
         record = run_record_of(describe(job.root), job.layouts, job.zarr_format)
         if job.dest.resume:
             check_resumable(read_run_record(store), record, str(job.dest))
+            if client is not None:  # a lost client's writes may still be running there
+                wait_for_writers(client)
             targets = open_target(job)
             done = done_chunks(store, len(job.layouts))
         else:

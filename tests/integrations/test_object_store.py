@@ -116,3 +116,32 @@ def test_cli_s3_to_s3(tmp_path, options):
     assert out["temperature"].chunks == (T, 5, X)
     src = zarr.open_group(source, mode="r", storage_options=opts)
     np.testing.assert_array_equal(out["temperature"][:], src["temperature"][:])
+
+
+def test_an_unfinished_s3_target_is_resumed(p2p_client, tmp_path, options, monkeypatch):
+    """A run that stopped before finishing (its records kept, two chunks torn and
+    unrecorded) is refused as a new target and finished by resume=True."""
+    opts, fs, bucket = options
+    source = _upload(fs, tmp_path, bucket)
+    target = f"s3://{bucket}/resumed.zarr"
+    chunks = {"time": -1, "lat": 5}
+    with monkeypatch.context() as m:
+        m.setattr("rechunk_p2p.integrations.zarr.finish_run", lambda store: None)
+        rechunk_zarr(source, target, chunks, storage_options=opts, progress=False)
+    src = zarr.open_group(source, mode="r", storage_options=opts)
+    names = sorted(n for n, a in src.members(max_depth=None) if isinstance(a, zarr.Array))
+    done = f"{bucket}/resumed.zarr/.rechunk-p2p/done/{names.index('temperature')}"
+    lost = sorted(fs.ls(done))[:2]
+    for record in lost:
+        chunk = f"{bucket}/resumed.zarr/temperature/c/" + record.rsplit("/", 1)[1].replace(".", "/")
+        fs.pipe(chunk, fs.cat(chunk)[:5])  # torn
+        fs.rm(record)
+
+    with pytest.raises(RechunkInputError, match="unfinished rechunk_p2p run"):
+        rechunk_zarr(source, target, chunks, storage_options=opts, progress=False)
+    report = rechunk_zarr(source, target, chunks, storage_options=opts, resume=True, progress=False)
+    assert report.chunks_written == 2 and report.chunks_resumed > 2
+    out = zarr.open_group(target, mode="r", storage_options=opts)
+    np.testing.assert_array_equal(out["temperature"][:], src["temperature"][:])
+    assert not fs.exists(f"{bucket}/resumed.zarr/.rechunk-p2p/run.json")
+    assert not fs.find(f"{bucket}/resumed.zarr/.rechunk-p2p")
