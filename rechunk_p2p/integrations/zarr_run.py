@@ -22,6 +22,7 @@ from typing import Any
 import dask.array as da
 import distributed
 
+from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.integrations.zarr_writes import WRITE_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def wait_for_writers(client: distributed.Client, timeout: float = WRITES_END_SEC
 
     Raises
     ------
-    TimeoutError
+    ClusterError
         Writes were still running after ``timeout``.
     """
     deadline = time.monotonic() + timeout
@@ -98,7 +99,9 @@ def wait_for_writers(client: distributed.Client, timeout: float = WRITES_END_SEC
         if not sum(n for n in busy.values() if isinstance(n, int)):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"chunk writes still running after {timeout:.0f} s: {busy}")
+            raise ClusterError(
+                f"chunk writes of an earlier run still running after {timeout:.0f} s: {busy}"
+            )
         time.sleep(0.05)
 
 

@@ -1,12 +1,10 @@
-"""docs/workflows.md is tested: its Python examples run in order, its command lines parse."""
+"""docs/workflows.md's command lines parse (its Python blocks run in tests/test_doc_blocks.py)."""
 
 from __future__ import annotations
 
 import re
 import shlex
 from pathlib import Path
-
-import pytest
 
 from rechunk_p2p.cli import parse_args
 
@@ -15,31 +13,6 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "workflows.md"
 
 def blocks(language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
-
-
-@pytest.mark.filterwarnings("ignore:Consolidated metadata:UserWarning")
-def test_python_examples_run_in_order(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "workflows_doc"}
-    examples = blocks("python")
-    assert len(examples) >= 8
-    try:
-        for i, code in enumerate(examples):
-            exec(compile(code, f"{DOC}, python block {i + 1}", "exec"), namespace)
-    finally:
-        for name in ("client", "cluster"):
-            if name in namespace:
-                namespace[name].close()
-    out = capsys.readouterr().out
-    assert "throughput" in out  # print(report)
-    assert "already exists" in out  # the refused second rechunk
-    assert {p.name for p in tmp_path.iterdir()} >= {
-        "maps.zarr",
-        "series.zarr",
-        "series-sharded.zarr",
-        "series-xr.zarr",
-        "series-chunk.zarr",
-    }
 
 
 def test_command_lines_parse():
