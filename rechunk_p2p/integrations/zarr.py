@@ -35,7 +35,6 @@ from rechunk_p2p.integrations.zarr_input import (
 from rechunk_p2p.integrations.zarr_report import ZarrRechunkReport, lag_of, lag_probe
 from rechunk_p2p.integrations.zarr_run import run_writes, wait_for_writers
 from rechunk_p2p.integrations.zarr_target import (
-    consolidate,
     create_target,
     describe,
     is_consolidated,
@@ -44,6 +43,7 @@ from rechunk_p2p.integrations.zarr_target import (
 from rechunk_p2p.integrations.zarr_writes import (
     RUN_RECORD,
     check_resumable,
+    consolidate,
     done_chunks,
     finish_run,
     lazy_run,

@@ -6,7 +6,6 @@ rechunk (consolidating the target's metadata where the source's was).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,12 +85,6 @@ def _codecs(src: zarr.Array) -> dict[str, Any]:
 
 def is_consolidated(root: zarr.Array | zarr.Group) -> bool:
     return isinstance(root, zarr.Group) and root.metadata.consolidated_metadata is not None
-
-
-def consolidate(location: Any, fmt: int) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
-        zarr.consolidate_metadata(location, zarr_format=fmt)
 
 
 def describe(root: zarr.Array | zarr.Group) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -217,11 +218,16 @@ def missing_keys(
     return graph, keys
 
 
+def consolidate(location: Any, fmt: int) -> None:
+    """Write the target's consolidated metadata (the source had it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
+        zarr.consolidate_metadata(location, zarr_format=fmt)
+
+
 def finished(location: Any, consolidate_as: int | None, *flags: Any) -> dict[str, int]:
     """The last task of a lazy run: consolidate the metadata (if ``consolidate_as``, the
     zarr format), then remove the run's records; a count of the chunks written."""
-    from rechunk_p2p.integrations.zarr_target import consolidate
-
     if consolidate_as is not None:
         consolidate(location, consolidate_as)
     finish_run(root_store(location))

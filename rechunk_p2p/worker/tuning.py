@@ -20,7 +20,9 @@ from rechunk_p2p.worker.allocator import MallocTuning
 
 #: How long a worker runs no task and holds no run before the objects frozen for runs are
 #: unfrozen and collected (:meth:`ProcessTuning.unfreeze_unused`)
-UNFREEZE_IDLE_SECONDS = 1.0
+#: (the collection walks the whole heap holding the GIL, 200-250 ms after a rechunk of thin
+#: derived rows: a second of idleness came between a reduction's phases, five do not)
+UNFREEZE_IDLE_SECONDS = 5.0
 
 #: Most objects frozen while runs are open; past it, full collections walk the rest as usual
 #: (garbage cycles among frozen objects wait for the unfreeze: this bounds them)
