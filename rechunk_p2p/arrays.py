@@ -33,6 +33,10 @@ from rechunk_p2p.sources import InputSources, find_sources
 
 logger = logging.getLogger(__name__)
 
+#: Most output chunks of one partial: when a run's barrier passes, the scheduler sends all
+#: its output tasks at once, and each worker takes its share in one step of its event loop
+PARTIAL_OUTPUTS = 128
+
 
 def rechunk_array(
     x: da.Array,
@@ -137,6 +141,7 @@ def _make_plan(
     """The plan of the shuffle of ``x``'s chunks (nothing moves them before it); with
     ``joinable``, transfer tasks make and join neighbouring chunks where that pays; with
     ``held``, transfer tasks cut the held chunks of one worker together."""
+    config.warn_removed_settings()
     unknown = _unknown_axes(x)
     old, new = _planned(x.chunks, unknown), _planned(new, unknown)
     groups = None
@@ -154,7 +159,7 @@ def _make_plan(
         unknown_axes=unknown,
         send_buffer_bytes=config.get_optional_bytes("comm.run-buffer-bytes"),
         partial_bytes=config.get_bytes("partial-bytes"),
-        partial_outputs=config.get_count("partial-outputs"),
+        partial_outputs=PARTIAL_OUTPUTS,
         groups=groups,
     )
     if held is None:

@@ -51,6 +51,39 @@ def direct_io() -> bool | None:
     )
 
 
+#: Settings that are gone, and what replaced them: one warning each when still set
+REMOVED = {
+    "worker.gil-switch-interval": "worker.process-tuning (the interval is 1 ms while a run is "
+    "open)",
+    "worker.gc-freeze": "worker.process-tuning",
+    "worker.malloc-reuse": "worker.process-tuning",
+    "worker.output-reuse": "worker.process-tuning",
+    "comm.retry-count": "comm.timeout (retries back off from 100 ms to 5 s within it)",
+    "comm.retry-delay-min": "comm.timeout (retries back off from 100 ms to 5 s within it)",
+    "comm.retry-delay-max": "comm.timeout (retries back off from 100 ms to 5 s within it)",
+    "partial-outputs": "partial-bytes (a partial holds at most 128 output chunks)",
+    "monitor.max-samples": "measure_event_loops(max_samples=...)",
+}
+_warned: set[str] = set()
+
+
+def warn_removed_settings() -> None:
+    """Warn once (a ``FutureWarning``) for each removed ``rechunk-p2p`` setting still set."""
+    import warnings
+
+    for key, instead in REMOVED.items():
+        if key in _warned:
+            continue
+        marker = object()
+        if dask.config.get(f"rechunk-p2p.{key}", default=marker) is not marker:
+            _warned.add(key)
+            warnings.warn(
+                f"rechunk-p2p.{key} is no longer a setting and is ignored; see {instead}",
+                FutureWarning,
+                stacklevel=3,
+            )
+
+
 def get(key: str) -> Any:
     """Return the setting ``rechunk-p2p.<key>``.
 

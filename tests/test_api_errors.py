@@ -7,6 +7,8 @@ would catch.
 
 from __future__ import annotations
 
+import warnings
+
 import dask
 import dask.array as da
 import numpy as np
@@ -76,20 +78,41 @@ async def test_unknown_storage_setting(c, s, a, b):
     await assert_clean(s, a, b)
 
 
-@gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
-async def test_bad_partial_outputs_setting(c, s, a, b):
-    await rechunk_p2p.register(c)
+def test_a_removed_setting_still_set_warns_once_and_is_ignored():
+    """No cluster: the warning comes when a rechunk is planned (and when a worker starts)."""
+    from rechunk_p2p import config
+
     x = da.from_array(np.arange(100).reshape(10, 10), chunks=(1, 10))
-    for bad in (-1, 2.5, "many", None, True):
-        with dask.config.set({"rechunk-p2p.partial-outputs": bad}):
-            for attempt in (rechunk_p2p.rechunk, rechunk_p2p.plan):
-                with pytest.raises(ValueError, match=r"rechunk-p2p\.partial-outputs") as info:
-                    attempt(x, (10, 1))
-                assert isinstance(info.value, RechunkP2PError)
-                assert "whole number" in str(info.value)
-    assert not s.tasks
-    assert s.plugins[PLUGIN].runs_created == 0
-    await assert_clean(s, a, b)
+    config._warned.discard("partial-outputs")
+    with dask.config.set({"rechunk-p2p.partial-outputs": 4}):
+        with pytest.warns(FutureWarning, match=r"^rechunk-p2p\.partial-outputs is no longer"):
+            plan = rechunk_p2p.plan(x, (10, 1))
+        assert plan.n_partials == 1  # ignored
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rechunk_p2p.plan(x, (10, 1))  # once
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("comm.concurrency", 0, "> 0"),
+        ("comm.timeout", "soon", "is 'soon'; give a duration"),
+        ("worker.process-tuning", "yes", "give true or false"),
+        ("disk-write-buffer-bytes", "-1MiB", "give a size >= 0"),
+        ("offload-threads", 2.5, "whole number"),
+    ],
+)
+def test_a_bad_worker_setting_is_one_line_naming_the_key(key, value, message):
+    from rechunk_p2p.worker.settings import WorkerSettings
+
+    pattern = rf"rechunk-p2p\.{key}.*{message}"
+    with (
+        dask.config.set({f"rechunk-p2p.{key}": value}),
+        pytest.raises(RechunkP2PError, match=pattern) as info,
+    ):
+        WorkerSettings.read()
+    assert "\n" not in str(info.value)
 
 
 def test_extra_entries_are_ignored_like_dask():

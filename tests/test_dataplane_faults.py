@@ -22,7 +22,7 @@ from rechunk_p2p.spec import METADATA_KEY
 from tests.conftest import assert_clean
 from tests.engine_helpers import TWO, check_result
 
-FAST_FAIL = {"rechunk-p2p.comm.timeout": "2s", "rechunk-p2p.comm.retry-delay-max": "200ms"}
+FAST_FAIL = {"rechunk-p2p.comm.timeout": "2s"}
 
 
 def _closed_port() -> int:

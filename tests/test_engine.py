@@ -12,6 +12,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
+from rechunk_p2p.buffers.comm import RetryPolicy
 from tests.conftest import assert_clean
 
 NTHREADS_2 = [("127.0.0.1", 1), ("127.0.0.1", 1)]
@@ -145,9 +146,9 @@ async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storag
             raise OSError("injected: ack lost")
 
     monkeypatch.setattr(DataPlane, "send", send_then_lose_ack)
-    with dask.config.set({"rechunk-p2p.comm.retry-delay-min": "1ms"}):
-        x = da.random.default_rng(2).random((40, 30), chunks=(4, 30))
-        await _check(c, s, [a, b], x, (40, 3))
+    monkeypatch.setattr("rechunk_p2p.buffers.comm.RETRY", RetryPolicy(5, 0.001, 5.0))
+    x = da.random.default_rng(2).random((40, 30), chunks=(4, 30))
+    await _check(c, s, [a, b], x, (40, 3))
     assert failed, "no batch crossed workers"
 
 
@@ -160,13 +161,11 @@ async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, 
 
     monkeypatch.setattr(DataPlane, "send", always_fail)
     await rechunk_p2p.register(c)
-    with dask.config.set(
-        {"rechunk-p2p.comm.retry-delay-min": "1ms", "rechunk-p2p.comm.retry-delay-max": "2ms"}
-    ):
-        x = da.random.default_rng(3).random((40, 30), chunks=(4, 30))
-        y = rechunk_p2p.rechunk(x, (40, 3))
-        with pytest.raises(rechunk_p2p.RechunkCommError, match="network down"):
-            await c.compute(y)
+    monkeypatch.setattr("rechunk_p2p.buffers.comm.RETRY", RetryPolicy(5, 0.001, 0.002))
+    x = da.random.default_rng(3).random((40, 30), chunks=(4, 30))
+    y = rechunk_p2p.rechunk(x, (40, 3))
+    with pytest.raises(rechunk_p2p.RechunkCommError, match="network down"):
+        await c.compute(y)
     del y
     await assert_clean(s, a, b)
 
@@ -382,19 +381,19 @@ async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
     await assert_clean(s, a, b)
 
 
-@gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.worker.output-reuse": False})
+@gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.worker.process-tuning": False})
 async def test_freed_outputs_are_kept_only_while_a_run_is_open_and_reuse_is_on(c, s, a, b):
     from rechunk_p2p.buffers.pages import OUTPUT_PAGES
 
     await rechunk_p2p.register(c)
     assert not OUTPUT_PAGES.keeping
     fut = await _open_gated_run(c, a, b)
-    assert not OUTPUT_PAGES.keeping  # output-reuse: false
+    assert not OUTPUT_PAGES.keeping  # process-tuning: false
     _TUNING_GATE.set()
     await fut
     del fut
     await assert_clean(s, a, b)
-    with dask.config.set({"rechunk-p2p.worker.output-reuse": True}):
+    with dask.config.set({"rechunk-p2p.worker.process-tuning": True}):
         fut = await _open_gated_run(c, a, b)
         assert OUTPUT_PAGES.keeping
         _TUNING_GATE.set()

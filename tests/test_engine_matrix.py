@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from unittest import mock
 
 import dask
 import dask.array as da
@@ -292,7 +293,7 @@ async def test_small_partials_are_joined_into_one_run(c, s, a, b):
         assert plugin.runs_created - before == 2
     await assert_clean(s, a, b)
     # Each partial has 2 outputs: at most 4 outputs a run joins them in pairs.
-    with dask.config.set({"rechunk-p2p.partial-outputs": 4}):
+    with mock.patch("rechunk_p2p.arrays.PARTIAL_OUTPUTS", 4):
         plan = rechunk_p2p.plan(x, (10, 5))
         assert plan.n_partials == 8 and {p.n_outputs for p in plan.partials} == {4}
         before = plugin.runs_created

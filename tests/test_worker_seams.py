@@ -14,6 +14,7 @@ import os
 import pickle
 import threading
 from types import SimpleNamespace
+from unittest import mock
 
 import dask
 import numpy as np
@@ -21,6 +22,7 @@ import pytest
 from distributed import Reschedule
 from distributed.utils_test import gen_test
 
+from rechunk_p2p.buffers.comm import RetryPolicy
 from rechunk_p2p.errors import RechunkCommError, RechunkRunError, StaleRunError
 from rechunk_p2p.worker import tuning as tuning_module
 from tests.worker_fakes import (
@@ -35,10 +37,13 @@ from tests.worker_fakes import (
 
 WORKERS = ("a", "b")
 ROWS, COLUMNS = 8, 4
-FAST_RETRIES = {
-    "rechunk-p2p.comm.retry-delay-min": "1ms",
-    "rechunk-p2p.comm.retry-delay-max": "2ms",
-}
+
+
+@contextlib.contextmanager
+def fast_retries(count: int = 5):
+    """Retries 1-2 ms apart (``count`` of them) for the sends of runs made in the block."""
+    with mock.patch("rechunk_p2p.buffers.comm.RETRY", RetryPolicy(count, 0.001, 0.002)):
+        yield
 
 
 def expected_output(flat: int, columns: int = COLUMNS) -> np.ndarray:
@@ -211,7 +216,7 @@ async def test_transient_send_errors_are_retried(seam, tmp_path):
         if attempt <= 2:
             raise OSError(f"injected failure {attempt} of {sender} -> {address}")
 
-    with dask.config.set(FAST_RETRIES):
+    with fast_retries():
         async with seam() as (_, network, plugins):
             network.fail = fail_twice
             await transfer_all(plugins)
@@ -226,7 +231,7 @@ async def test_errors_past_the_retry_count_fail_the_barrier_naming_the_peer(seam
     def always(sender: str, address: str, attempt: int) -> None:
         raise ConnectionRefusedError("injected: nobody listens")
 
-    with dask.config.set({**FAST_RETRIES, "rechunk-p2p.comm.retry-count": 2}):
+    with fast_retries(2):
         async with seam() as (_, network, plugins):
             network.fail = always
             # a transfer that starts after its worker's buffer failed raises the failure
@@ -428,12 +433,7 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
             raise ConnectionRefusedError("injected: c was killed")
 
     # every input's shards are sent at once (not staged until a message's worth is there)
-    retries = {
-        **FAST_RETRIES,
-        "rechunk-p2p.comm.retry-count": 1,
-        "rechunk-p2p.comm.message-bytes-limit": 1,
-    }
-    with dask.config.set(retries):
+    with fast_retries(1), dask.config.set({"rechunk-p2p.comm.message-bytes-limit": 1}):
         async with seam(workers=THREE_WORKERS, columns=SIX) as (scheduler, network, plugins):
             network.fail = c_is_gone
             a, b, _ = plugins

@@ -47,6 +47,10 @@ class RetryPolicy:
         return base * (0.5 + random.random() / 2)
 
 
+#: The retries of every send (the timeout comes from ``rechunk-p2p.comm.timeout``)
+RETRY = RetryPolicy()
+
+
 class SendPhase(enum.Enum):
     """Where a :class:`CommBuffer` is. Changed only by ``CommBuffer._set_phase``, along
     :data:`_NEXT_PHASE`: a failed buffer stays failed until closed, unless the peer it failed

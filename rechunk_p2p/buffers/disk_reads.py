@@ -32,7 +32,7 @@ _T = TypeVar("_T")
 
 #: Below this many bytes per ``pread`` on average, an output's shards are read in runs of
 #: the file into a staging buffer and gathered into place at once (see _gather_blocking).
-GATHER_BELOW = 64 << 10
+GATHER_BELOW = 4 << 10
 
 
 class DiskReads:

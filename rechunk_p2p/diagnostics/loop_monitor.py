@@ -24,7 +24,6 @@ from typing import Any
 
 from dask.utils import parse_timedelta
 
-from rechunk_p2p import config
 from rechunk_p2p.diagnostics import loop_probe
 from rechunk_p2p.diagnostics.loop_stats import (
     DistributedSignals,
@@ -36,7 +35,10 @@ from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkTypeError
 
 logger = logging.getLogger(__name__)
 
-#: Points kept per timeline in the report (the probe keeps up to ``max-samples``).
+#: Samples a probe keeps per process, at most (about 7 minutes at the default interval)
+MAX_SAMPLES = 200_000
+
+#: Points kept per timeline in the report (the probe keeps up to ``max_samples``).
 DEFAULT_TIMELINE_POINTS = 2000
 
 
@@ -66,7 +68,7 @@ def measure_event_loops(
     include_scheduler
         Also probe the scheduler's loop.
     max_samples
-        Cap on timeline points per process; default ``rechunk-p2p.monitor.max-samples``.
+        Cap on timeline points per process; default :data:`MAX_SAMPLES`.
         Counters, maximum and percentiles stay exact/bounded regardless of the cap.
     timeline_points
         Points kept per timeline in the report.
@@ -100,7 +102,7 @@ def measure_event_loops(
     if not interval_s > 0:
         raise RechunkInputError(f"measure_event_loops: interval must be positive, got {interval!r}")
     if max_samples is None:
-        max_samples = int(config.get("monitor.max-samples"))
+        max_samples = MAX_SAMPLES
     if max_samples < 2 or timeline_points < 2:
         raise RechunkInputError("measure_event_loops: max_samples and timeline_points must be >= 2")
     stack_threshold_s = (

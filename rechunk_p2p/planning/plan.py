@@ -138,7 +138,8 @@ class RechunkPlan:
     sending (``rechunk-p2p.comm.run-buffer-bytes``; ``None``: the worker's limit alone).
     ``partial_bytes``: independent sub-shuffles smaller than this are joined with their
     neighbours (``rechunk-p2p.partial-bytes``; 0: never; see :func:`make_partials`), but not
-    past ``partial_outputs`` output chunks (``rechunk-p2p.partial-outputs``; 0: no limit).
+    past ``partial_outputs`` output chunks (:data:`rechunk_p2p.arrays.PARTIAL_OUTPUTS`;
+    0: no limit).
     ``groups``: per axis, how many neighbouring input chunks each transfer task makes and
     cuts together (see :mod:`rechunk_p2p.planning.groups`); ``None``: one each. The shuffle's
     inputs (``input_chunks``, which partials and shards count) are then those groups.

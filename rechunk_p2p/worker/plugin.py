@@ -14,19 +14,20 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distributed import Reschedule, WorkerPlugin
 from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
-from rechunk_p2p import config
+from rechunk_p2p.buffers import comm as comm_module
 from rechunk_p2p.buffers import make_store
-from rechunk_p2p.buffers.comm import CommBuffer, RetryPolicy
+from rechunk_p2p.buffers.comm import CommBuffer
 from rechunk_p2p.buffers.files import ENGINE_DIRECTORY
 from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
+from rechunk_p2p.config import warn_removed_settings
 from rechunk_p2p.errors import (
     ClusterError,
     OutputConsumedError,
@@ -46,9 +47,10 @@ from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
 from rechunk_p2p.worker.scheduler_rpc import scheduler_rpc, worker_closing
+from rechunk_p2p.worker.settings import WorkerSettings
 from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage
+from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL, UNFREEZE_IDLE_SECONDS
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
-from rechunk_p2p.worker.tuning import UNFREEZE_IDLE_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -131,21 +133,23 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Any) -> None:
         self.worker = worker
-        self.offload = OffloadPool(config.get("offload-threads"))
+        warn_removed_settings()
+        settings = WorkerSettings.read()
+        self.offload = OffloadPool(settings.offload_threads)
         self.dataplane = DataPlane(
             worker.address,
             worker.security,
             self.receive,
-            buffer_bytes=config.get_bytes("comm.buffer-bytes-limit"),
-            concurrency=config.get("comm.concurrency"),
-            ports=config.port_range("dataplane.port"),
+            buffer_bytes=settings.buffer_bytes,
+            concurrency=settings.concurrency,
+            ports=settings.ports,
         )
         address = await self.offload.to_thread(self.dataplane.start_blocking)
         worker.handlers["rechunk_p2p_worker_barrier"] = self._worker_barrier
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         worker.stream_handlers["rechunk_p2p_continue"] = self._continue_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
-        self._freeze_early = bool(config.get("worker.gc-freeze"))
+        self._freeze_early = settings.process_tuning
         self._unfreezer = asyncio.ensure_future(self._unfreeze_when_idle())
         self._ready.set()
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
@@ -230,7 +234,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         # The process tuning is held from the request on, not only once the run is made: a
         # run's first tasks ask for it while the scheduler is busy with the graph, and a full
         # collection of an unfrozen heap in that wait stopped a worker's loop for 110 ms
-        _tuning.acquire(config.get("worker.gil-switch-interval"), config.get("worker.gc-freeze"))
+        tuned = WorkerSettings.read().process_tuning
+        _tuning.acquire(GIL_SWITCH_INTERVAL if tuned else None, tuned)
         try:
             return await self._fetch_held(shuffle_id)
         finally:
@@ -270,6 +275,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
+        settings = WorkerSettings.read()
         address = self.worker.address
         limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
         storage, in_memory = resolve_storage(run_spec, address, limit)
@@ -281,7 +287,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             dtype=spec.dtype,
             directory=directory,
             name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
-            buffer_bytes=config.get_bytes("disk-write-buffer-bytes"),
+            buffer_bytes=settings.disk_write_buffer_bytes,
             direct_io=direct_io(run_spec, storage, address, limit),
             partial=partial if known else None,
             in_memory=in_memory,
@@ -298,13 +304,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
             send,
             dataplane.limiter,
             dataplane.send_slots,  # type: ignore[arg-type]
-            message_bytes=config.get_bytes("comm.message-bytes-limit"),
-            retry=RetryPolicy(
-                config.get("comm.retry-count"),
-                config.get_seconds("comm.retry-delay-min"),
-                config.get_seconds("comm.retry-delay-max"),
-                config.get_seconds("comm.timeout"),
-            ),
+            message_bytes=settings.message_bytes,
+            retry=replace(comm_module.RETRY, timeout=settings.timeout),
             name=f"Rechunk {shuffle_id} (run {run_id}) on {self.worker.address}",
             run_limiter=(
                 None
@@ -314,12 +315,13 @@ class RechunkWorkerPlugin(WorkerPlugin):
             loop=dataplane.loop,
             closing=self._closing,
         )
+        tuned = settings.process_tuning
         _tuning.acquire(
-            config.get("worker.gil-switch-interval"),
-            config.get("worker.gc-freeze"),
+            GIL_SWITCH_INTERVAL if tuned else None,
+            tuned,
             # not on disk, chosen to hold least: a heap keeps what it held at its fullest
-            storage in ("memory", "memory+disk") and config.get("worker.malloc-reuse"),
-            bool(config.get("worker.output-reuse")),
+            tuned and storage in ("memory", "memory+disk"),
+            tuned,
         )
         run = WorkerRun(
             run_spec,

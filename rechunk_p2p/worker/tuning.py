@@ -18,6 +18,11 @@ from dask.utils import parse_timedelta
 from rechunk_p2p.buffers.pages import OUTPUT_PAGES
 from rechunk_p2p.worker.allocator import MallocTuning
 
+#: The interpreter's GIL switch interval while a run is open (Python's default is 5 ms):
+#: the worker's event loop waits less for the GIL behind task, data-plane and offload
+#: threads
+GIL_SWITCH_INTERVAL = 0.001
+
 #: How long a worker runs no task and holds no run before the objects frozen for runs are
 #: unfrozen and collected (:meth:`ProcessTuning.unfreeze_unused`)
 #: (the collection walks the whole heap holding the GIL, 200-250 ms after a rechunk of thin
