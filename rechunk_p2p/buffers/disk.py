@@ -50,12 +50,8 @@ from rechunk_p2p.buffers.disk_blocks import (
     ENTRY,
     Block,
     Group,
-    group_of,
-    group_pairs,
-    group_rows,
-    grouped,
-    slabs,
 )
+from rechunk_p2p.buffers.disk_buffer import DiskWriteBuffer, Pending
 from rechunk_p2p.buffers.disk_reads import DiskReads
 from rechunk_p2p.buffers.files import (
     make_store_directory,
@@ -65,7 +61,7 @@ from rechunk_p2p.buffers.files import (
 )
 from rechunk_p2p.buffers.ledger import ShardLedger, pair_keys
 from rechunk_p2p.buffers.wire import Packed, packed_sizes, unpack_blocking
-from rechunk_p2p.errors import RechunkRunError, RechunkStorageError
+from rechunk_p2p.errors import RechunkStorageError
 
 DATA_FILE = "shards.bin"
 
@@ -76,7 +72,7 @@ _WRITE_ADVICE = (
 )
 
 
-class DiskShardStore(DiskReads):
+class DiskShardStore(DiskWriteBuffer, DiskReads):
     """**Thread-safe (guarded by `_lock`).** Spills shards to one file under ``directory``.
 
     ``_lock`` guards the index, the reserved end of the file, the counters, the set of
@@ -136,7 +132,7 @@ class DiskShardStore(DiskReads):
         self._inflight = 0
         self._end = 0
         self._buffer_bytes = int(buffer_bytes)
-        self._pending: list[_Pending] = []  # not written yet
+        self._pending: list[Pending] = []  # not written yet
         self._pending_bytes = 0
         self._flushing = 0  # bytes of the background write in flight
         self._flusher: ThreadPoolExecutor | None = None
@@ -260,106 +256,6 @@ class DiskShardStore(DiskReads):
         return self._gather_blocking(
             block, outputs, block.nbytes, lambda: pair_keys(outputs, input_)
         )
-
-    def _gather_blocking(
-        self,
-        item: _Pending,
-        outputs: np.ndarray,
-        total: int,
-        pairs: Callable[[], np.ndarray],
-    ) -> int:
-        """Add ``item`` (``total`` bytes of shards for ``outputs``; ``pairs``, their pair
-        keys) to the write buffer, once there is room; hand the buffer to the flush thread
-        when it is half full. Returns ``total``."""
-        with self._lock:
-            # room first: the write in flight and the gathered shards stay within the buffer
-            while self._flushing and (
-                self._flushing + self._pending_bytes + total > self._buffer_bytes
-            ):
-                self._idle.wait()
-            if self._closed:
-                self._ledger.forget_keys(pairs())
-                raise closed_error(self.kind, self.name, "write shards")
-            self._raise_flush_error_locked()
-            self._pending.append(item)
-            self._pending_bytes += total
-            self._ledger.in_memory(self._pending_bytes + self._flushing)
-            self._held.update(outputs.tolist())
-            self._ledger.stored(len(outputs), total)
-            full = self._take_full_locked()
-        if full:
-            self._flush_pool().submit(self._flush_in_background_blocking, full)
-        return total
-
-    def _flush_pool(self) -> ThreadPoolExecutor:
-        """The store's one flush thread (made on first use, joined by :meth:`close_blocking`):
-        the writers go on cutting and receiving while it writes, and one writer a store keeps
-        the disk from serving several of its writes at once."""
-        with self._lock:
-            if self._flusher is None:
-                self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rechunk-p2p-flush")
-            return self._flusher
-
-    def _take_full_locked(self) -> list[_Pending]:
-        """The gathered shards to write in the background, once they are half the write
-        buffer and no write is in flight (else the flush thread takes them when it is done).
-        Hold `_lock`."""
-        if self._flushing or self._pending_bytes < max(self._buffer_bytes // 2, 1):
-            return []
-        self._flushing = self._pending_bytes
-        self._inflight += 1  # close waits for it
-        return self._take_pending_locked()
-
-    def _flush_in_background_blocking(self, pending: list[_Pending]) -> None:
-        """On the flush thread: write gathered shards, then those gathered meanwhile if they
-        are half the buffer; an error is kept for the store's next write or read to raise."""
-        while pending:
-            try:
-                self._flush_blocking(pending)
-            except BaseException as exc:  # re-raised to the store's next writer or reader
-                with self._lock:
-                    self._flush_error = exc
-            with self._lock:
-                self._flushing = 0
-                failed = self._flush_error is not None or self._closed
-                pending = [] if failed else self._take_full_locked()
-                self._release_locked()
-                self._idle.notify_all()
-
-    def _raise_flush_error_locked(self) -> None:
-        if self._flush_error is not None:
-            raise self._flush_error
-
-    def _take_pending_locked(self) -> list[_Pending]:
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        return pending
-
-    def _flush_blocking(self, pending: list[_Pending]) -> None:
-        """Write gathered shards ordered by output and input, so that each output's shards
-        lie one after another in the file: reading it back is one ``pread`` per flush.
-        Regular batches are written a group at a time, one index row per output (see
-        :mod:`rechunk_p2p.buffers.disk_blocks`)."""
-        blocks = [p for p in pending if isinstance(p, Block)]
-        shards = [p for p in pending if not isinstance(p, Block)]
-        try:
-            if shards:
-                rows = np.concatenate([r for r, _ in shards])
-                views = [v for _, vs in shards for v in vs]
-                order = np.lexsort((rows["input"], rows["output"]))
-                self._write_rows_blocking(rows[order], [views[k] for k in order.tolist()])
-            for outputs, members in grouped(blocks):
-                group = group_of(members)
-                with self._lock:
-                    group_id = len(self._groups)
-                    self._groups.append(group)
-                for outs, data in slabs(outputs, members):
-                    rows = group_rows(outs, group_id, group.row_bytes)
-                    pairs = functools.partial(_group_keys, outs, group)
-                    self._write_rows_blocking(rows, [memoryview(data)], pairs)
-        except RechunkRunError:
-            if not self._closed:
-                raise
-            # closed meanwhile: the shards were accepted before, and dropped by the close
 
     def _write_rows_blocking(
         self,
@@ -528,15 +424,6 @@ class DiskShardStore(DiskReads):
 
 
 # -- plain helpers (blocking) ----------------------------------------------------------
-
-#: What the write buffer gathers: shards (their index rows and one view each), or a regular
-#: batch whole.
-_Pending = tuple[np.ndarray, list[memoryview]] | Block
-
-
-def _group_keys(outputs: np.ndarray, group: Group) -> np.ndarray:
-    """The pair keys of the shards of ``group`` for ``outputs``."""
-    return pair_keys(*group_pairs(outputs, group))
 
 
 def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list[memoryview]:

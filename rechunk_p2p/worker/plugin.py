@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import Reschedule, WorkerPlugin
 from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
-from rechunk_p2p.buffers import comm as comm_module
-from rechunk_p2p.buffers import make_store
-from rechunk_p2p.buffers.comm import CommBuffer
-from rechunk_p2p.buffers.files import ENGINE_DIRECTORY
-from rechunk_p2p.buffers.limiter import ByteLimiter
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.config import warn_removed_settings
 from rechunk_p2p.errors import (
@@ -45,10 +39,10 @@ from rechunk_p2p.spec import (
 )
 from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
+from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
 from rechunk_p2p.worker.scheduler_rpc import scheduler_rpc, worker_closing
 from rechunk_p2p.worker.settings import WorkerSettings
-from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage
 from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL, UNFREEZE_IDLE_SECONDS
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
 
@@ -275,66 +269,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
-        settings = WorkerSettings.read()
-        address = self.worker.address
-        limit = getattr(getattr(self.worker, "memory_manager", None), "memory_limit", None)
-        storage, in_memory = resolve_storage(run_spec, address, limit)
-        directory = os.path.join(self.worker.local_directory, ENGINE_DIRECTORY)
-        spec, partial = run_spec.spec, run_spec.spec.partial
-        known = not spec.unknown_axes  # outputs can be filled as their shards come
-        store = make_store(
-            storage,
-            dtype=spec.dtype,
-            directory=directory,
-            name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
-            buffer_bytes=settings.disk_write_buffer_bytes,
-            direct_io=direct_io(run_spec, storage, address, limit),
-            partial=partial if known else None,
-            in_memory=in_memory,
-        )
-        shuffle_id, run_id, dataplane = run_spec.shuffle_id, run_spec.run_id, self.dataplane
-
-        async def send(address: str, batch: list[Packed]) -> None:
-            # the current id of ``run`` (made below): a receiver that has not heard of a
-            # continuation yet fetches it first (and checks the moved outputs' owners with it)
-            await dataplane.send(address, shuffle_id, run.run_id, batch)
-            run.sent(batch)
-
-        comm = CommBuffer(
-            send,
-            dataplane.limiter,
-            dataplane.send_slots,  # type: ignore[arg-type]
-            message_bytes=settings.message_bytes,
-            retry=replace(comm_module.RETRY, timeout=settings.timeout),
-            name=f"Rechunk {shuffle_id} (run {run_id}) on {self.worker.address}",
-            run_limiter=(
-                None
-                if run_spec.spec.send_buffer_bytes is None
-                else ByteLimiter(run_spec.spec.send_buffer_bytes)
-            ),
-            loop=dataplane.loop,
-            closing=self._closing,
-        )
-        tuned = settings.process_tuning
-        _tuning.acquire(
-            GIL_SWITCH_INTERVAL if tuned else None,
-            tuned,
-            # not on disk, chosen to hold least: a heap keeps what it held at its fullest
-            tuned and storage in ("memory", "memory+disk"),
-            tuned,
-        )
-        run = WorkerRun(
-            run_spec,
-            self.worker.address,
-            store,
-            storage,
-            dataplane,
-            self.offload,
-            comm,
-            on_close=_tuning.release,
-            recent_outputs=max(getattr(self.worker, "nthreads", 1), 1),
-        )
-        return run
+        return make_run(run_spec, self.worker, self.dataplane, self.offload, self._closing)
 
     def _closing(self) -> bool:
         """Whether the worker is closing (read from any thread)."""

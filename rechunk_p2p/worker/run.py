@@ -20,7 +20,7 @@ from dataclasses import astuple, dataclass, field
 import numpy as np
 
 from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
-from rechunk_p2p.buffers.base import ShardStore, empty_output, place_blocking
+from rechunk_p2p.buffers.base import ShardStore, empty_output
 from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
 from rechunk_p2p.buffers.cuts import CutBuffers
 from rechunk_p2p.buffers.joined import JoinedBlocks
@@ -30,9 +30,10 @@ from rechunk_p2p.buffers.wire import (
 )
 from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, on_loop
-from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, widen
+from rechunk_p2p.spec import RunId, RunSpec, ShuffleId
 from rechunk_p2p.worker.cutting import InputCutter, position_in
 from rechunk_p2p.worker.dataplane import DataPlane
+from rechunk_p2p.worker.reading import read_output_blocking
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +323,7 @@ class WorkerRun:
             if out is None:
                 out = empty_output(partial.output_shape(flat), spec.dtype)
         else:
-            out, missing = self._read_output_blocking(flat)
+            out, missing = read_output_blocking(self._store, self.run_spec.spec, flat)
         if missing:
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
@@ -333,59 +334,6 @@ class WorkerRun:
             self._outputs += 1
             self._seconds["assemble"] += time.perf_counter() - start
         return out
-
-    def _read_output_blocking(self, flat: int) -> tuple[np.ndarray, list[int]]:
-        """Output ``flat`` read from a store that keeps shards, and the inputs it lacks."""
-        spec = self.run_spec.spec
-        partial = spec.partial
-        stacked = self._stacked_inputs(flat)
-        placement = partial.output_placement(flat)
-        if stacked is not None:  # the output is its shards one after another
-            out = empty_output(partial.output_shape(flat), spec.dtype)
-            received = self._store.read_stacked_blocking(flat, out, stacked)
-            if received == stacked:
-                return out, []
-        else:
-            if spec.unknown_axes:
-                out, received = self._read_unknown_blocking(flat, placement)
-            else:
-                out = empty_output(partial.output_shape(flat), spec.dtype)
-                received = self._store.read_into_blocking(flat, out, placement)
-            if len(received) == len(placement) and set(received) == set(placement):
-                return out, []
-        extra = sorted(set(received) - set(placement))
-        if extra:
-            raise RechunkRunError(
-                f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} got "
-                f"shards from input chunks {[partial.input_index(i) for i in extra][:10]}, "
-                "which have no piece of it"
-            )
-        return out, sorted(set(placement) - set(received))
-
-    def _stacked_inputs(self, flat: int) -> list[int] | None:
-        """The inputs of output ``flat`` in memory order, if the store can lay them one after
-        another (see :meth:`ShardStore.read_stacked_blocking`)."""
-        spec = self.run_spec.spec
-        if spec.unknown_axes or spec.dtype.hasobject:
-            return None
-        return spec.partial.stacked_inputs(flat)
-
-    def _read_unknown_blocking(
-        self, flat: int, placement: dict[int, tuple[slice, ...]]
-    ) -> tuple[np.ndarray, list[int]]:
-        """Output ``flat`` when some axes have unknown chunk sizes: its extent there is the
-        shards' (every shard spans its chunk along those axes)."""
-        spec = self.run_spec.spec
-        shards = self._store.read_blocking(flat)
-        shape = spec.partial.output_shape(flat)
-        if shards:
-            like = shards[0][1].shape
-            shape = tuple(like[a] if a in spec.unknown_axes else n for a, n in enumerate(shape))
-        out = empty_output(shape, spec.dtype)
-        for input_, array in shards:
-            if input_ in placement:
-                place_blocking(out, widen(placement[input_], spec.unknown_axes), array)
-        return out, [i for i, _ in shards]
 
     # --- continuation (worker loop) -----------------------------------------------------------
 

@@ -1,0 +1,99 @@
+"""Making a run on a worker: its store (where its storage choice puts it), its send
+buffer, and the process tuning held while it is open.
+
+Where it runs: the worker loop (when a run is fetched from the scheduler); no blocking.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from rechunk_p2p.buffers import comm as comm_module
+from rechunk_p2p.buffers import make_store
+from rechunk_p2p.buffers.comm import CommBuffer
+from rechunk_p2p.buffers.files import ENGINE_DIRECTORY
+from rechunk_p2p.buffers.limiter import ByteLimiter
+from rechunk_p2p.buffers.wire import Packed
+from rechunk_p2p.offload import OffloadPool
+from rechunk_p2p.spec import RunSpec
+from rechunk_p2p.worker.dataplane import DataPlane
+from rechunk_p2p.worker.run import WorkerRun
+from rechunk_p2p.worker.settings import WorkerSettings
+from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage
+from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL
+from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
+
+
+def make_run(
+    run_spec: RunSpec,
+    worker: Any,
+    dataplane: DataPlane,
+    offload: OffloadPool,
+    closing: Callable[[], bool],
+) -> WorkerRun:
+    """A new run of ``run_spec`` on ``worker``: its store, its send buffer on
+    ``dataplane``, and the process tuning held while it is open (released when it
+    closes)."""
+    settings = WorkerSettings.read()
+    address = worker.address
+    limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
+    storage, in_memory = resolve_storage(run_spec, address, limit)
+    directory = os.path.join(worker.local_directory, ENGINE_DIRECTORY)
+    spec, partial = run_spec.spec, run_spec.spec.partial
+    known = not spec.unknown_axes  # outputs can be filled as their shards come
+    store = make_store(
+        storage,
+        dtype=spec.dtype,
+        directory=directory,
+        name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
+        buffer_bytes=settings.disk_write_buffer_bytes,
+        direct_io=direct_io(run_spec, storage, address, limit),
+        partial=partial if known else None,
+        in_memory=in_memory,
+    )
+    shuffle_id, run_id = run_spec.shuffle_id, run_spec.run_id
+
+    async def send(address: str, batch: list[Packed]) -> None:
+        # the current id of ``run`` (made below): a receiver that has not heard of a
+        # continuation yet fetches it first (and checks the moved outputs' owners with it)
+        await dataplane.send(address, shuffle_id, run.run_id, batch)
+        run.sent(batch)
+
+    comm = CommBuffer(
+        send,
+        dataplane.limiter,
+        dataplane.send_slots,  # type: ignore[arg-type]
+        message_bytes=settings.message_bytes,
+        retry=replace(comm_module.RETRY, timeout=settings.timeout),
+        name=f"Rechunk {shuffle_id} (run {run_id}) on {worker.address}",
+        run_limiter=(
+            None
+            if run_spec.spec.send_buffer_bytes is None
+            else ByteLimiter(run_spec.spec.send_buffer_bytes)
+        ),
+        loop=dataplane.loop,
+        closing=closing,
+    )
+    tuned = settings.process_tuning
+    _tuning.acquire(
+        GIL_SWITCH_INTERVAL if tuned else None,
+        tuned,
+        # not on disk, chosen to hold least: a heap keeps what it held at its fullest
+        tuned and storage in ("memory", "memory+disk"),
+        tuned,
+    )
+    run = WorkerRun(
+        run_spec,
+        worker.address,
+        store,
+        storage,
+        dataplane,
+        offload,
+        comm,
+        on_close=_tuning.release,
+        recent_outputs=max(getattr(worker, "nthreads", 1), 1),
+    )
+    return run
