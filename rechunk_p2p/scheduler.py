@@ -18,6 +18,7 @@ from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
+from rechunk_p2p.diagnostics import metrics
 from rechunk_p2p.errors import BROKEN_CONNECTION, ClusterError, StaleRunError
 from rechunk_p2p.recovery import (
     BARRIER_PENDING,
@@ -87,6 +88,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
             return
         scheduler.add_plugin(self, name=self.name, idempotent=True)
         self.scheduler = scheduler
+        metrics.register_scheduler(self)  # on /metrics, where prometheus_client is installed
         scheduler.handlers.update(
             {
                 "rechunk_p2p_get_or_create": self.get_or_create,

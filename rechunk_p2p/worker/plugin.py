@@ -22,6 +22,7 @@ from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.config import warn_removed_settings
+from rechunk_p2p.diagnostics import metrics
 from rechunk_p2p.errors import (
     ClusterError,
     OutputConsumedError,
@@ -145,11 +146,13 @@ class RechunkWorkerPlugin(WorkerPlugin):
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
         self._freeze_early = settings.process_tuning
         self._unfreezer = asyncio.ensure_future(self._unfreeze_when_idle())
+        metrics.register_worker(self)  # on /metrics, where prometheus_client is installed
         self._ready.set()
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
 
     async def teardown(self, worker: Any) -> None:
         self._tearing_down = True  # a run fetched from now on is closed as it arrives
+        metrics.unregister_worker(self)
         if self._unfreezer is not None:
             self._unfreezer.cancel()
         with self._lock:
