@@ -488,3 +488,32 @@ def test_a_barrier_task_survives_substitution():
     copy = barrier.substitute({dep: TaskRef(("renamed", 0))})
     assert isinstance(copy, BarrierTask) and copy.spec is barrier.spec
     assert ("renamed", 0) in copy.dependencies and dep not in copy.dependencies
+
+
+@gen_cluster(client=True, nthreads=NTHREADS_2)
+async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
+    """A worker idle for UNFREEZE_IDLE_SECONDS (shortened here) closes the data plane's
+    connections no send uses; the next rechunk opens what it needs."""
+    from rechunk_p2p.worker import plugin as plugin_module
+    from rechunk_p2p.worker.dataplane import DataPlane
+
+    closed = []
+    original = DataPlane.close_idle
+
+    async def close_idle(self):
+        before = self.idle_connections()
+        await original(self)
+        closed.append((before, self.idle_connections()))
+
+    monkeypatch.setattr(DataPlane, "close_idle", close_idle)
+    monkeypatch.setattr(plugin_module, "UNFREEZE_IDLE_SECONDS", 0.2)
+    await rechunk_p2p.register(c)
+    x = da.random.default_rng(5).random((40, 30), chunks=(4, 30))
+    await _check(c, s, [a, b], x, (40, 3))
+    planes = [w.plugins["rechunk-p2p"].dataplane for w in (a, b)]
+    for _ in range(200):
+        if len(closed) >= 2 and not any(p.idle_connections() for p in planes):
+            break
+        await asyncio.sleep(0.05)
+    assert len(closed) >= 2 and all(before > 0 and after == 0 for before, after in closed)
+    await _check(c, s, [a, b], x, (40, 5))  # connections are opened again

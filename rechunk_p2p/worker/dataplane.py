@@ -143,6 +143,18 @@ class DataPlane:
         if self._pool is not None:
             await self._pool.close()
 
+    def idle_connections(self) -> int:
+        """Outgoing connections open but unused (read from any thread: a count, maybe a
+        step behind)."""
+        pool = self._pool
+        return 0 if pool is None else sum(len(c) for c in list(pool.available.values()))
+
+    async def close_idle(self) -> None:
+        """On this loop: close the outgoing connections no send uses (the worker is idle);
+        the next send opens what it needs."""
+        if self._pool is not None:
+            self._pool.collect()
+
     async def send(
         self, address: str, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]
     ) -> None:

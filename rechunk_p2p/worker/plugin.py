@@ -29,7 +29,7 @@ from rechunk_p2p.errors import (
     RechunkP2PError,
     StaleRunError,
 )
-from rechunk_p2p.offload import OffloadPool, from_thread
+from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
@@ -183,18 +183,20 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._unfinished_transfers.add(key)
 
     async def _unfreeze_when_idle(self) -> None:
-        """On the worker loop: once objects are frozen, no run holds the settings, no
-        transfer task waits here and no task has run for :data:`UNFREEZE_IDLE_SECONDS`,
-        unfreeze and collect (a full collection, which stops the loop too: a transfer that
-        waits for a reduction of thousands of tasks left the loop idle for a second, and the
-        collection then stalled it by 230-250 ms in the middle of the rechunk)."""
+        """On the worker loop: once no run is open or asked for, no transfer task waits
+        here and no task has run for :data:`UNFREEZE_IDLE_SECONDS`, unfreeze and collect (a
+        full collection, which stops the loop too: a transfer that waits for a reduction of
+        thousands of tasks left the loop idle for a second, and the collection then stalled
+        it by 230-250 ms in the middle of the rechunk), and close the data plane's idle
+        connections (a worker keeps one or more to every peer it sent to)."""
         idle_since = None
         state = getattr(self.worker, "state", None)
         while True:
             await asyncio.sleep(UNFREEZE_IDLE_SECONDS / 4)
             # a request for a run holds the tuning, so frozen_unused is false meanwhile
             busy = (state is not None and state.executing) or self._unfinished_transfers
-            if busy or not _tuning.frozen_unused:
+            idle_connections = self.dataplane is not None and self.dataplane.idle_connections()
+            if busy or self.runs or not (_tuning.frozen_unused or idle_connections):
                 idle_since = None
                 continue
             now = asyncio.get_running_loop().time()
@@ -202,6 +204,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 idle_since = now
             elif now - idle_since >= UNFREEZE_IDLE_SECONDS:
                 _tuning.unfreeze_unused()
+                if idle_connections and self.dataplane is not None:
+                    await on_loop(self.dataplane.loop, self.dataplane.close_idle)
                 idle_since = None
 
     # --- runs -----------------------------------------------------------------------------
@@ -295,8 +299,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
         with self._lock:
             run = self.runs.get(shuffle_id)
         if run is None or run.run_id < run_id:
-            from rechunk_p2p.offload import on_loop
-
             run = await on_loop(self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id, run_id)
         if not run.run_spec.accepts(run_id):
             raise StaleRunError(
