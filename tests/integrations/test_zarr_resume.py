@@ -163,6 +163,8 @@ def stop_cli_when_writing(src: Path, target: Path, sig: int, after: float) -> tu
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # as a terminal starts it: Ctrl-C not ignored (a background job inherits it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not (target / "zarr.json").exists() and p.poll() is None:
