@@ -12,6 +12,7 @@ from typing import Any
 from rechunk_p2p import config  # noqa: F401  (loads the configuration defaults)
 from rechunk_p2p.api import cluster_statistics, plan, rechunk, register
 from rechunk_p2p.diagnostics import LoopLagReport, measure_event_loops
+from rechunk_p2p.diagnostics.run_report import report
 from rechunk_p2p.errors import (
     ClusterError,
     RechunkCommError,
@@ -46,6 +47,7 @@ __all__ = [
     "rechunk",
     "rechunk_zarr",
     "register",
+    "report",
     "uninstall",
 ]
 

@@ -76,3 +76,27 @@ def test_a_worker_process_metrics_endpoint_parses():
     assert {"rechunk_p2p_runs_total", "rechunk_p2p_bytes_spilled_total"} <= names
     assert "rechunk_p2p_phase_seconds_total" in names
     assert sum(v for (n, _), v in found.items() if n == "rechunk_p2p_runs_total") >= 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_the_run_report_lists_each_run_with_its_workers(c, s, a, b):
+    x = da.random.random((64, 64), chunks=(1, 64))
+    await c.compute(rechunk_p2p.rechunk(x, (64, 4)).sum())
+    await c.compute(rechunk_p2p.rechunk(x + 1, (64, 8)).sum())
+    for _ in range(100):  # the runs close just after the results
+        report = await rechunk_p2p.report(c)
+        if len(report.runs) == 2 and not any(r.open for r in report.runs):
+            break
+        await asyncio.sleep(0.05)
+    assert len(report.runs) == 2 and not any(r.open for r in report.runs)
+    assert len({r.shuffle_id for r in report.runs}) == 2
+    for run in report.runs:
+        assert set(run.received) == {a.address, b.address}
+        assert run.inputs == 64 and run.outputs in (16, 8)
+        assert sum(run.received.values()) == run.bytes_sent > 0
+        assert run.balance >= 1.0
+        assert run.phases["cut"] > 0
+    text = str(report)
+    assert text.splitlines()[0].split()[:3] == ["rechunk", "run", "workers"]
+    assert all(r.shuffle_id in text for r in report.runs)
+    assert "<table" in report._repr_html_()

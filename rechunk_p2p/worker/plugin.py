@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distributed import Reschedule, WorkerPlugin
@@ -56,6 +56,10 @@ _CLOSED_IDS_KEPT = 10_000
 _FINISHED = frozenset({"memory", "error", "released", "forgotten"})
 #: How long a task waits for the plugins to arrive when it installs them itself.
 INSTALL_TIMEOUT = 60.0
+
+
+#: Closed runs a worker remembers for :func:`rechunk_p2p.report`
+RECENT_RUNS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._lock = threading.Lock()
         self.runs: dict[ShuffleId, WorkerRun] = {}
         self.worker: Any = None
+        self._recent: deque[RunStatistics] = deque(maxlen=RECENT_RUNS)  # closed, newest last
         self.dataplane: DataPlane | None = None
         self.offload: OffloadPool | None = None
         self._fetching: dict[ShuffleId, asyncio.Future[WorkerRun]] = {}
@@ -290,6 +295,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             if self.runs.get(run.shuffle_id) is run:
                 del self.runs[run.shuffle_id]
                 self._closed_totals = self._closed_totals.plus(stats)
+                self._recent.append(replace(stats, phase="closed"))
         await run.close()
 
     # --- handlers -------------------------------------------------------------------------
@@ -455,6 +461,12 @@ class RechunkWorkerPlugin(WorkerPlugin):
         with self._lock:
             runs = list(self.runs.values())
         return [run.statistics() for run in runs]
+
+    def recent_runs(self) -> list[RunStatistics]:
+        """The last :data:`RECENT_RUNS` runs closed here, then the open ones."""
+        with self._lock:
+            closed = list(self._recent)
+        return closed + self.run_statistics()
 
     def totals(self) -> WorkerTotals:
         open_stats = self.run_statistics()
