@@ -44,8 +44,8 @@ async def test_every_worker_serves_its_totals(c, s, a, b):
         key = (("worker", w.address),)
         assert after[("rechunk_p2p_runs_total", key)] >= 1
         assert after[("rechunk_p2p_runs_open", key)] == 0
-        for phase in ("cut", "queue_wait", "send", "store", "assemble"):
-            assert after[("rechunk_p2p_phase_seconds_total", (("phase", phase), *key))] >= 0
+        phases = {dict(k)["phase"] for n, k in after if n == "rechunk_p2p_phase_seconds_total"}
+        assert phases == {"cut", "queue_wait", "send", "store", "assemble"}
     total = {
         name: sum(v for (n, _), v in after.items() if n == name)
         - sum(v for (n, _), v in before.items() if n == name)
@@ -94,7 +94,8 @@ async def test_the_run_report_lists_each_run_with_its_workers(c, s, a, b):
         assert set(run.received) == {a.address, b.address}
         assert run.inputs == 64 and run.outputs in (16, 8)
         assert sum(run.received.values()) == run.bytes_sent > 0
-        assert run.balance >= 1.0
+        received = list(run.received.values())
+        assert run.balance == pytest.approx(max(received) / (sum(received) / 2))
         assert run.phases["cut"] > 0
     text = str(report)
     assert text.splitlines()[0].split()[:3] == ["rechunk", "run", "workers"]
