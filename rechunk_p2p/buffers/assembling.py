@@ -45,8 +45,8 @@ from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
 from rechunk_p2p.planning import Partial
 
 #: Outputs first reached by one batch share slabs when its shards are at most this large:
-#: below it, a Python step per shard costs about as much as its copy or more (a batch of 128
-#: shards of 4 KiB: 120 us as one strided copy into a slab, 400 us shard by shard); above
+#: below it, a Python step per shard costs about as much as its copy or more (one strided
+#: copy of a batch into a slab is several times faster than shard by shard); above
 #: it, each output gets pages of its own, which the next output of its size takes over
 #: when it is freed.
 SLAB_SHARD_BYTES = 64 * 2**10

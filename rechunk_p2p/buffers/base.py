@@ -206,9 +206,9 @@ def touch_pages_blocking(array: np.ndarray) -> None:
     Where it runs: task threads and the offload pool. A new array's pages are mapped on
     first write, and a first write inside a copy that holds the GIL (a small shard's
     memory move, see :func:`place_blocking`) holds it through the page faults too: on
-    virtual machines a fault costs microseconds, and filling a fresh 16 MiB output from
-    256 KiB shards that way stalled the event loops for milliseconds at a time (worst
-    worker p99 lag 5 -> 25 ms). Touching the pages first moves the faults out of the GIL.
+    virtual machines a fault costs microseconds, and filling a fresh output from many
+    shards that way stalls the event loops for milliseconds at a time. Touching the pages
+    first moves the faults out of the GIL.
     """
     if array.nbytes >= 16 * _PAGE and array.flags.c_contiguous:
         array.reshape(-1).view(np.uint8)[::_PAGE] = 0

@@ -8,12 +8,11 @@ under a lock, or the unmapping that freeing did before); :meth:`OutputPages.open
 
 Why: an output chunk is a private anonymous mapping of its own (see
 :func:`rechunk_p2p.buffers.base.empty_output`), so each new one is pages the kernel must
-fault in and zero on first write. On this project's benchmark VM that costs about 10 ms per
-24 MiB output, ten times the copy that fills it (0.9 ms), and it is system time in the task
-thread that assembles the output. When outputs are consumed as they are made (written to a
-zarr store, reduced), each is freed a task or two after it was made, and its pages can
-serve the next output as they are: no fault, no zeroing (the output is written whole
-before anyone reads it).
+fault in and zero on first write: on a virtual machine, several times the copy that fills
+it, as system time in the task thread that assembles the output. When outputs are consumed
+as they are made (written to a zarr store, reduced), each is freed a task or two after it
+was made, and its pages can serve the next output as they are: no fault, no zeroing (the
+output is written whole before anyone reads it).
 
 How: an output from the pool is an ndarray whose ``base`` is a small holder of the mapping;
 when the last view of the output is gone, the holder's finalizer hands the mapping back

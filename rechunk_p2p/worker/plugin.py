@@ -190,10 +190,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
     async def _unfreeze_when_idle(self) -> None:
         """On the worker loop: once no run is open or asked for, no transfer task waits
         here and no task has run for :data:`UNFREEZE_IDLE_SECONDS`, unfreeze and collect (a
-        full collection, which stops the loop too: a transfer that waits for a reduction of
-        thousands of tasks left the loop idle for a second, and the collection then stalled
-        it by 230-250 ms in the middle of the rechunk), and close the data plane's idle
-        connections (a worker keeps one or more to every peer it sent to)."""
+        full collection, which stops the loop too, so it must not fall between the phases
+        of a rechunk), and close the data plane's idle connections (a worker keeps one or
+        more to every peer it sent to)."""
         idle_since = None
         state = getattr(self.worker, "state", None)
         while True:
@@ -239,7 +238,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
     async def _fetch(self, shuffle_id: ShuffleId) -> WorkerRun:
         # The process tuning is held from the request on, not only once the run is made: a
         # run's first tasks ask for it while the scheduler is busy with the graph, and a full
-        # collection of an unfrozen heap in that wait stopped a worker's loop for 110 ms
+        # collection of an unfrozen heap in that wait stopped the worker's loop
         tuned = WorkerSettings.read().process_tuning
         _tuning.acquire(GIL_SWITCH_INTERVAL if tuned else None, tuned)
         try:

@@ -24,9 +24,9 @@ from rechunk_p2p.worker.allocator import MallocTuning
 GIL_SWITCH_INTERVAL = 0.001
 
 #: How long a worker runs no task and holds no run before the objects frozen for runs are
-#: unfrozen and collected (:meth:`ProcessTuning.unfreeze_unused`)
-#: (the collection walks the whole heap holding the GIL, 200-250 ms after a rechunk of thin
-#: derived rows: a second of idleness came between a reduction's phases, five do not)
+#: unfrozen and collected (:meth:`ProcessTuning.unfreeze_unused`): the collection walks
+#: the whole heap holding the GIL, so it waits for idleness longer than the pauses between
+#: the phases of a rechunk (a reduction's, say)
 UNFREEZE_IDLE_SECONDS = 5.0
 
 #: Most objects frozen while runs are open; past it, full collections walk the rest as usual
@@ -52,17 +52,15 @@ class ProcessTuning:
       later collections, and freezing the survivors of each full collection while runs are
       open keeps the next one to what was made since: distributed's per-task state grows
       with every task the worker holds, and with tens of thousands of tasks a full
-      collection of it took 100-300 ms. The objects are also frozen when a transfer task
+      collection of it stalls the loop visibly. The objects are also frozen when a transfer task
       reaches the worker (:meth:`freeze_early`): a worker takes a graph's task messages in
       one step of its loop, and their allocations can set off a full collection before its
       first run opens. Garbage cycles among frozen objects wait for ``gc.unfreeze``, which
       hands everything back to the oldest generation, and the full collection that follows
       (:meth:`unfreeze_unused`); both wait until no run has been open for a while, when
-      the worker is idle (a collection of what a rechunk of 64 KiB chunks left took
-      110-180 ms, and coming right after a run it stopped the next one's first steps). At
-      most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they are:
-      ``gc.get_freeze_count`` walks every frozen object, holding the GIL, 12-27 ms for the
-      120,000-160,000 of a worker process after a 3-D rechunk.
+      the worker is idle (right after a run, the collection would stop the next one's
+      first steps). At most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they
+      are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL.
     - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`), when
       the first run keeps shards in memory (``memory``, ``memory+disk``): arrays up to
       32 MiB come from memory freed before instead of fresh pages; the free memory is given
