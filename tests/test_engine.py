@@ -18,6 +18,13 @@ from tests.conftest import assert_clean
 NTHREADS_2 = [("127.0.0.1", 1), ("127.0.0.1", 1)]
 
 
+@pytest.fixture(autouse=True)
+def _short_idle(monkeypatch):
+    """The in-process workers here count a second without tasks as idle (5 s in a real
+    worker): the tests that wait for the idle unfreeze wait less."""
+    monkeypatch.setattr("rechunk_p2p.worker.plugin.UNFREEZE_IDLE_SECONDS", 1.0)
+
+
 async def _check(c, s, workers, x, chunks):
     await rechunk_p2p.register(c)
     y = rechunk_p2p.rechunk(x, chunks)
