@@ -50,12 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"{e} (see {PROG} --help)")
         return EXIT_USAGE
     except KeyboardInterrupt as e:
-        notes = getattr(e, "__notes__", None)
-        _fail("interrupted" + (f"; {notes[0]}" if notes else ""))
+        _fail(_with_note("interrupted", e))
         return 130
     except (RechunkP2PError, OSError) as e:
-        notes = getattr(e, "__notes__", None)
-        _fail((str(e) or type(e).__name__) + (f"; {notes[0]}" if notes else ""))
+        _fail(_with_note(str(e) or type(e).__name__, e))
         return EXIT_FAILED
 
 
@@ -391,6 +389,12 @@ def _quiet_shutdown() -> None:
     scheduler's close logs a traceback (distributed's "Failed to communicate with scheduler
     during heartbeat"), which is noise once the work is done."""
     logging.getLogger("distributed.worker").setLevel(logging.CRITICAL)
+
+
+def _with_note(message: str, error: BaseException) -> str:
+    """``message`` and the first note added to ``error`` (what became of a zarr target)."""
+    notes = getattr(error, "__notes__", None)
+    return f"{message}; {notes[0]}" if notes else message
 
 
 def _interrupt(signum: int, frame: Any) -> None:

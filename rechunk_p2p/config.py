@@ -7,6 +7,7 @@ module and are merged into ``dask.config`` on import, without overriding user se
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Literal
 
 import dask.config
@@ -69,8 +70,6 @@ _warned: set[str] = set()
 
 def warn_removed_settings() -> None:
     """Warn once (a ``FutureWarning``) for each removed ``rechunk-p2p`` setting still set."""
-    import warnings
-
     for key, instead in REMOVED.items():
         if key in _warned:
             continue

@@ -113,15 +113,11 @@ async def _report_async(client: Any) -> RunReport:
 def _report_of(per_worker: dict[str, list[dict]]) -> RunReport:
     """The report of what every worker answered (address -> its runs, as dicts)."""
     grouped: dict[tuple[str, int], list[tuple[str, dict]]] = defaultdict(list)
-    order: list[tuple[str, int]] = []
     for address, runs in sorted(per_worker.items()):
         for run in runs:
-            key = (run["shuffle_id"], run["run_id"])
-            if key not in grouped:
-                order.append(key)
-            grouped[key].append((address, run))
+            grouped[run["shuffle_id"], run["run_id"]].append((address, run))
     rows = []
-    for key in sorted(order, key=lambda k: (k[1], k[0])):
+    for key in sorted(grouped, key=lambda k: (k[1], k[0])):
         parts = grouped[key]
         runs = [run for _, run in parts]
         rows.append(

@@ -10,7 +10,6 @@ the worker that assembled it.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -41,11 +40,11 @@ from rechunk_p2p.integrations.zarr_target import (
     open_target,
 )
 from rechunk_p2p.integrations.zarr_writes import (
-    RUN_RECORD,
     check_resumable,
     consolidate,
     done_chunks,
     finish_run,
+    is_unfinished,
     lazy_run,
     missing_keys,
     read_run_record,
@@ -317,7 +316,7 @@ class ZarrRechunk:
                     client, graph, keys, progress=self._progress, on_task_error=job.dest.remove
                 )
             except BaseException as e:
-                if _unfinished(job.dest.location):
+                if is_unfinished(job.dest.location):
                     _note(
                         e,
                         f"{job.dest} holds an unfinished run: resume it with resume=True "
@@ -340,16 +339,6 @@ class ZarrRechunk:
             chunks_written=len(keys),
             chunks_resumed=sum(len(d) for d in done),
         )
-
-
-def _unfinished(location: Any) -> bool:
-    """Whether ``location`` holds an unfinished run (``False`` if it cannot be read)."""
-    if isinstance(location, str):  # (opening a local store would create its directory)
-        return os.path.isfile(os.path.join(location, RUN_RECORD))
-    try:
-        return read_run_record(root_store(location)) is not None
-    except Exception:
-        return False
 
 
 def _note(error: BaseException, note: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import zarr
 
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
-from rechunk_p2p.integrations.zarr_writes import RUN_RECORD
+from rechunk_p2p.integrations.zarr_writes import is_unfinished
 
 _METADATA_FILES = ("zarr.json", ".zgroup", ".zarray")
 
@@ -66,7 +66,7 @@ class Target:
             path = target
             existed = os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
             _check_overlap(path, local_root(root.store, root.path))
-            unfinished = os.path.isfile(os.path.join(path, RUN_RECORD))
+            unfinished = is_unfinished(path)
             if existed and overwrite and not (unfinished or _is_zarr_dir(path)):
                 raise RechunkInputError(
                     f"target {path!r} exists and is not a zarr store; refusing to delete it"
@@ -74,7 +74,7 @@ class Target:
             location: Any = path
         else:
             path, location = None, target
-            unfinished = _has_key(target, RUN_RECORD)
+            unfinished = is_unfinished(target)
             existed = unfinished or _has_zarr_node(target)
             if target == root.store:
                 raise RechunkInputError("target is the source's store; write to a new store")
@@ -157,15 +157,6 @@ def _is_zarr_dir(path: str) -> bool:
     return os.path.isdir(path) and any(
         os.path.exists(os.path.join(path, name)) for name in _METADATA_FILES
     )
-
-
-def _has_key(store: Any, key: str) -> bool:
-    from zarr.core.sync import sync
-
-    try:
-        return bool(sync(store.exists(key)))
-    except (OSError, ValueError):
-        return False
 
 
 def _has_zarr_node(store: Any) -> bool:

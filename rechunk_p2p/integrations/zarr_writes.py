@@ -65,6 +65,18 @@ def read_run_record(store: zarr.abc.store.Store) -> dict[str, Any] | None:
         return {}  # torn while written: an unfinished run that cannot be resumed
 
 
+def is_unfinished(location: Any) -> bool:
+    """Whether a target's ``location`` (a local path, or a store) holds a run record;
+    ``False`` where it cannot be read. A local path is looked at directly: opening a local
+    store would create its directory."""
+    if isinstance(location, str | os.PathLike):
+        return os.path.isfile(os.path.join(location, RUN_RECORD))
+    try:
+        return bool(sync(location.exists(RUN_RECORD)))
+    except (OSError, ValueError):
+        return False
+
+
 def write_run_record(store: zarr.abc.store.Store, record: dict[str, Any]) -> None:
     """Mark the target as an unfinished run (before anything else is written)."""
     _put(store, RUN_RECORD, json.dumps({"format": _FORMAT, **record}, sort_keys=True).encode())
