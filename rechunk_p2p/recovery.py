@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ class SchedulerRun:
     # inputs whose every shard was queued for sending by the worker named (a continued run
     # sends only the moved outputs' shards of them, while that worker is there)
     full_by: dict[int, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)  # when the run was created
 
     @property
     def shuffle_id(self) -> ShuffleId:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import Counter, deque
 from time import time
 from typing import Any
 
@@ -18,7 +19,9 @@ from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p import config
-from rechunk_p2p.diagnostics import metrics
+from rechunk_p2p.diagnostics import dashboard, metrics
+from rechunk_p2p.diagnostics.live_view import FINISHED_KEPT, FinishedRun, finished_run
+from rechunk_p2p.diagnostics.metrics import error_type
 from rechunk_p2p.errors import BROKEN_CONNECTION, ClusterError, StaleRunError
 from rechunk_p2p.recovery import (
     BARRIER_PENDING,
@@ -73,6 +76,8 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         # transfer key -> the worker that computed it, while its result is in memory
         self._computed_on: dict[Any, str] = {}
         self.waves = TransferWaves()
+        self.finished: deque[FinishedRun] = deque(maxlen=FINISHED_KEPT)  # for the dashboard
+        self.errors: Counter[str] = Counter()  # transfers and barriers that erred, by type
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -89,6 +94,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         scheduler.add_plugin(self, name=self.name, idempotent=True)
         self.scheduler = scheduler
         metrics.register_scheduler(self)  # on /metrics, where prometheus_client is installed
+        dashboard.install(scheduler)  # the /rechunk-p2p page, where bokeh is installed
         scheduler.handlers.update(
             {
                 "rechunk_p2p_get_or_create": self.get_or_create,
@@ -364,8 +370,11 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         """Note where each transfer ran; forget a run once its barrier is released, erred or
-        forgotten."""
-        if isinstance(key, tuple) and TRANSFER_PREFIX in key[0]:
+        forgotten; count the errors of either by type."""
+        transfer = isinstance(key, tuple) and TRANSFER_PREFIX in key[0]
+        if finish == "erred" and start == "processing" and (transfer or id_from_key(key)):
+            self.errors[error_type(kwargs.get("exception_text", ""))] += 1
+        if transfer:
             if finish == "memory" and "worker" in kwargs:
                 self._computed_on[key] = kwargs["worker"]
             elif finish in ("released", "erred", "forgotten"):
@@ -406,6 +415,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     def _close(self, shuffle_id: ShuffleId, reason: str) -> SchedulerRun:
         run = self.active.pop(shuffle_id)
         self._unpin_outputs(run)
+        self.finished.append(finished_run(self.scheduler, run, reason))
         msg = {
             "op": "rechunk_p2p_close",
             "shuffle_id": shuffle_id,

@@ -101,3 +101,35 @@ async def test_the_run_report_lists_each_run_with_its_workers(c, s, a, b):
     assert text.splitlines()[0].split()[:3] == ["rechunk", "run", "workers"]
     assert all(r.shuffle_id in text for r in report.runs)
     assert "<table" in report._repr_html_()
+
+
+def _boom(block: np.ndarray, block_info=None) -> np.ndarray:
+    if block_info[None]["chunk-location"][0] == 3:
+        raise ZeroDivisionError("input chunk 3 cannot be made")
+    return block
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_loop_lag_histogram_and_errors_by_type(c, s, a, b):
+    x = da.ones((16, 16), chunks=(1, 16))
+    await c.compute(rechunk_p2p.rechunk(x, (16, 1)).sum())
+    bad = rechunk_p2p.rechunk(x.map_blocks(_boom, dtype=x.dtype), (16, 1))
+    with pytest.raises(ZeroDivisionError, match="chunk 3"):
+        await c.compute(bad.sum())
+    found = samples(prometheus_client.generate_latest().decode())
+    for w in (a, b):  # a cumulative histogram per worker, its count the +Inf bucket
+        key = ("worker", w.address)
+        buckets = sorted(
+            (float(dict(k)["le"]), v)
+            for (n, k), v in found.items()
+            if n == "rechunk_p2p_event_loop_lag_seconds_bucket" and key in k
+        )
+        counts = [v for _, v in buckets]
+        assert buckets[-1][0] == float("inf") and counts == sorted(counts) and counts[-1] > 0
+        assert found[("rechunk_p2p_event_loop_lag_seconds_count", (key,))] == counts[-1]
+    errors = {
+        dict(k)["type"]: v
+        for (n, k), v in found.items()
+        if n == "rechunk_p2p_scheduler_task_errors_total"
+    }
+    assert errors.get("ZeroDivisionError", 0) >= 1, errors

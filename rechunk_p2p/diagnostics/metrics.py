@@ -12,11 +12,14 @@ worker's address.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
+
+from rechunk_p2p.diagnostics.live import LAG_BUCKETS
 
 _lock = threading.Lock()
 _plugins: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -58,6 +61,12 @@ def _register(plugin: Any, into: weakref.WeakSet[Any]) -> bool:
     return True
 
 
+def error_type(exception_text: str) -> str:
+    """The exception's type name in distributed's ``exception_text`` (``"Name(...)"``)."""
+    name = exception_text.partition("(")[0].strip()
+    return name if name.isidentifier() else "unknown"
+
+
 def unregister_worker(plugin: Any) -> None:
     """Stop serving ``plugin``'s counters (its worker closes)."""
     with _lock:
@@ -71,7 +80,11 @@ class _EngineCollector:
         return []  # collected on demand: no names are reserved up front
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         with _lock:
             plugins = [p for p in _plugins if getattr(p, "worker", None) is not None]
@@ -105,8 +118,17 @@ class _EngineCollector:
             "Most bytes one run had queued for sending at once",
             labels=label,
         )
+        lag = HistogramMetricFamily(
+            "rechunk_p2p_event_loop_lag_seconds",
+            "How late a callback on the worker's event loop ran (sampled every 50 ms)",
+            labels=label,
+        )
         for plugin in plugins:
             address = str(plugin.worker.address)
+            window = plugin.lag
+            counts = list(itertools.accumulate(window.buckets))
+            bounds = [*(str(b) for b in LAG_BUCKETS), "+Inf"]
+            lag.add_metric([address], list(zip(bounds, counts)), window.total)
             totals = plugin.totals()
             runs.add_metric([address], totals.runs)
             open_runs.add_metric([address], len(plugin.run_statistics()))
@@ -122,6 +144,7 @@ class _EngineCollector:
         yield messages
         yield phases
         yield queued
+        yield lag
 
 
 def _scheduler_families(plugins: list[Any]) -> Iterator[Any]:
@@ -135,10 +158,18 @@ def _scheduler_families(plugins: list[Any]) -> Iterator[Any]:
         name: CounterMetricFamily(f"rechunk_p2p_scheduler_{name}", text, labels=label)
         for name, text in _SCHEDULER_COUNTERS.items()
     }
+    errors = CounterMetricFamily(
+        "rechunk_p2p_scheduler_task_errors",
+        "Transfer and barrier tasks that failed, by the exception's type",
+        labels=["scheduler", "type"],
+    )
     for plugin in plugins:
         address = str(plugin.scheduler.address)
         active.add_metric([address], len(plugin.active))
         for name, family in counters.items():
             family.add_metric([address], getattr(plugin, name))
+        for kind, count in sorted(plugin.errors.items()):
+            errors.add_metric([address, kind], count)
     yield active
     yield from counters.values()
+    yield errors

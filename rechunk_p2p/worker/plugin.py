@@ -22,7 +22,7 @@ from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.config import warn_removed_settings
-from rechunk_p2p.diagnostics import metrics
+from rechunk_p2p.diagnostics import live, metrics
 from rechunk_p2p.errors import (
     ClusterError,
     OutputConsumedError,
@@ -125,6 +125,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         # transfer tasks on this worker that have not finished (worker loop only)
         self._unfinished_transfers: set[Any] = set()
         self._unfreezer: asyncio.Future[None] | None = None
+        self.lag = live.LoopLagWindow()  # the worker loop's (loop-confined)
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -152,12 +153,14 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._freeze_early = settings.process_tuning
         self._unfreezer = asyncio.ensure_future(self._unfreeze_when_idle())
         metrics.register_worker(self)  # on /metrics, where prometheus_client is installed
+        live.install(self, worker)  # the numbers of the dashboard, with every heartbeat
         self._ready.set()
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
 
     async def teardown(self, worker: Any) -> None:
         self._tearing_down = True  # a run fetched from now on is closed as it arrives
         metrics.unregister_worker(self)
+        live.uninstall(self, worker)
         if self._unfreezer is not None:
             self._unfreezer.cancel()
         with self._lock:
@@ -461,11 +464,14 @@ class RechunkWorkerPlugin(WorkerPlugin):
             runs = list(self.runs.values())
         return [run.statistics() for run in runs]
 
+    def closed_runs(self) -> list[RunStatistics]:
+        """The last :data:`RECENT_RUNS` runs closed here, oldest first."""
+        with self._lock:
+            return list(self._recent)
+
     def recent_runs(self) -> list[RunStatistics]:
         """The last :data:`RECENT_RUNS` runs closed here, then the open ones."""
-        with self._lock:
-            closed = list(self._recent)
-        return closed + self.run_statistics()
+        return self.closed_runs() + self.run_statistics()
 
     def totals(self) -> WorkerTotals:
         open_stats = self.run_statistics()

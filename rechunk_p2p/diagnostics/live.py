@@ -1,0 +1,131 @@
+"""What a worker tells the scheduler about its runs with every heartbeat.
+
+Where it runs: the worker's event loop. :class:`LoopLagWindow` is a chain of
+``loop.call_at`` callbacks (one every :data:`LAG_INTERVAL`) that records how late each ran;
+:func:`heartbeat` is registered as one of the worker's custom metrics (``Worker.metrics``,
+distributed's public hook), which the worker calls on its loop when it sends a heartbeat,
+so the numbers reach the scheduler with no message of their own. Both read counters the
+worker plugin keeps already: a few dictionary lookups per heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Any
+
+#: The name under which a worker's heartbeat carries the engine's numbers
+#: (``WorkerState.metrics[METRIC]`` on the scheduler)
+METRIC = "rechunk_p2p"
+#: Time between two samples of a worker's loop lag
+LAG_INTERVAL = 0.05
+#: Samples kept for the recent lag (10 s at the interval)
+LAG_SAMPLES = 200
+#: Upper bounds (seconds) of the loop-lag histogram served on ``/metrics``
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Closed runs a heartbeat repeats (their totals stay listed on the dashboard)
+CLOSED_IN_HEARTBEAT = 8
+
+_RUN_FIELDS = (
+    "shuffle_id",
+    "run_id",
+    "phase",
+    "storage",
+    "inputs",
+    "outputs",
+    "bytes_sent",
+    "bytes_received",
+    "bytes_buffered",
+    "bytes_spilled",
+)
+
+
+class LoopLagWindow:
+    """**Loop-confined.** How late a callback chain ran on one event loop, recently and in
+    all.
+
+    Keeps the last :data:`LAG_SAMPLES` lags (for the dashboard's p99 and max) and a
+    cumulative histogram over :data:`LAG_BUCKETS` (for Prometheus). A stall shows as one
+    late sample: the next one is due an interval after a sample actually ran.
+    """
+
+    def __init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self.buckets = [0] * (len(LAG_BUCKETS) + 1)  # the last counts the ones above all
+        self.total = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """Start sampling the running loop."""
+        self._loop = asyncio.get_running_loop()
+        self._due = self._loop.time() + LAG_INTERVAL
+        self._handle = self._loop.call_at(self._due, self._sample)
+
+    def stop(self) -> None:
+        """Stop sampling (the samples taken stay)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _sample(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        self.add(max(0.0, now - self._due))
+        self._due = now + LAG_INTERVAL
+        self._handle = self._loop.call_at(self._due, self._sample)
+
+    def add(self, lag: float) -> None:
+        """Count one sample of ``lag`` seconds."""
+        self.recent.append(lag)
+        self.buckets[bisect.bisect_left(LAG_BUCKETS, lag)] += 1
+        self.total += lag
+
+    def summary(self) -> dict[str, float]:
+        """p99 and max of the recent samples, in milliseconds."""
+        if not self.recent:
+            return {"p99_ms": 0.0, "max_ms": 0.0}
+        ordered = sorted(self.recent)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return {"p99_ms": 1000.0 * p99, "max_ms": 1000.0 * ordered[-1]}
+
+
+def heartbeat(plugin: Any) -> dict[str, Any]:
+    """The engine's numbers of ``plugin``'s worker for its next heartbeat: every open run
+    and the last closed ones (bytes sent, received, in memory, on disk), the limits those
+    bytes count against, and the worker loop's recent lag."""
+    open_runs = [_run_row(s) for s in plugin.run_statistics()]
+    closed = [_run_row(s) for s in plugin.closed_runs()[-CLOSED_IN_HEARTBEAT:]]
+    worker = plugin.worker
+    limiter = plugin.dataplane.limiter if plugin.dataplane is not None else None
+    return {
+        "time": time.time(),
+        "runs": open_runs,
+        "closed": closed,
+        "lag": plugin.lag.summary(),
+        "memory_limit": int(getattr(worker.memory_manager, "memory_limit", 0) or 0),
+        "buffer_limit": limiter.limit if limiter is not None else 0,
+        "bytes_queued": limiter.used if limiter is not None else 0,
+    }
+
+
+def _run_row(stats: Any) -> dict[str, Any]:
+    values = asdict(stats)
+    return {name: values[name] for name in _RUN_FIELDS}
+
+
+def install(plugin: Any, worker: Any) -> None:
+    """On the worker's loop, in the plugin's setup: start the lag window and send the
+    numbers with every heartbeat."""
+    plugin.lag.start()
+    worker.metrics[METRIC] = lambda _worker: heartbeat(plugin)
+
+
+def uninstall(plugin: Any, worker: Any) -> None:
+    """On the worker's loop, in the plugin's teardown."""
+    plugin.lag.stop()
+    worker.metrics.pop(METRIC, None)

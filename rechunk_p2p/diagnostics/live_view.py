@@ -1,0 +1,212 @@
+"""The engine's runs and workers as the scheduler sees them now: what the dashboard shows.
+
+Where it runs: the scheduler's event loop (a dashboard page's periodic callback, or a
+performance report). It reads the scheduler plugin's open and recently finished runs, the
+states of their tasks, and what each worker's last heartbeat carried
+(:mod:`rechunk_p2p.diagnostics.live`); nothing is asked of any worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rechunk_p2p.diagnostics.live import METRIC
+from rechunk_p2p.spec import barrier_key
+
+#: How long a finished run stays listed
+FINISHED_SECONDS = 600.0
+#: A worker whose last heartbeat is older than this is shown as silent
+SILENT_SECONDS = 5.0
+
+#: Task states in which a transfer or output is done
+_DONE = frozenset({"memory"})
+#: What a run's row sums over its workers' heartbeats
+_BYTES = ("bytes_sent", "bytes_received", "bytes_buffered", "bytes_spilled", "workers")
+#: Finished runs the scheduler plugin remembers
+FINISHED_KEPT = 64
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """**Immutable.** A run the scheduler closed: when, and why."""
+
+    shuffle_id: str
+    run_id: int
+    reason: str
+    started: float
+    finished: float
+    transfers: int
+    outputs: int
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """**Immutable.** One run on the dashboard: its phase, progress and bytes.
+
+    ``phase``: ``transfers`` (shards being cut and sent), ``assembling`` (the barrier passed:
+    every shard arrived, outputs being assembled), ``done``, or why it stopped otherwise.
+    Bytes are summed over the workers' last heartbeats.
+    """
+
+    shuffle_id: str
+    run_id: int
+    phase: str
+    transfers_done: int
+    transfers: int
+    outputs_done: int
+    outputs: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_memory: int
+    bytes_disk: int
+    workers: int
+    seconds: float
+
+    @property
+    def label(self) -> str:
+        """Short name: the rechunk's token abridged, its partial, the run."""
+        token, _, partial = self.shuffle_id.partition("-")
+        return f"{token[:8]}{'-' if partial else ''}{partial}/{self.run_id}"
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """**Immutable.** One worker on the dashboard: its runs' bytes against its limits and
+    its event loop's recent lag (from its last heartbeat)."""
+
+    address: str
+    bytes_sent: int
+    bytes_received: int
+    bytes_memory: int
+    bytes_disk: int
+    bytes_queued: int
+    buffer_limit: int
+    memory_limit: int
+    lag_p99_ms: float
+    lag_max_ms: float
+    silent: bool
+
+
+@dataclass(frozen=True)
+class LiveView:
+    """**Immutable.** Every open and recently finished run, newest first, and every worker."""
+
+    runs: tuple[RunRow, ...]
+    workers: tuple[WorkerRow, ...]
+
+
+def finished_run(scheduler: Any, run: Any, reason: str) -> FinishedRun:
+    """What to remember of ``run`` (a :class:`~rechunk_p2p.recovery.SchedulerRun`) as it
+    closes."""
+    transfers, _, outputs, _ = _progress(scheduler, run.shuffle_id)
+    return FinishedRun(
+        run.shuffle_id,
+        run.run_spec.run_id,
+        reason,
+        run.started,
+        time.time(),
+        transfers,
+        outputs,
+    )
+
+
+def live_view(scheduler: Any, plugin: Any) -> LiveView:
+    """The runs of ``plugin`` (the scheduler plugin) and the workers of ``scheduler`` now."""
+    now = time.time()
+    beats = {addr: ws.metrics.get(METRIC) or {} for addr, ws in scheduler.workers.items()}
+    per_run = _bytes_per_run(beats)
+    rows = [_open_row(scheduler, run, per_run, now) for run in plugin.active.values()]
+    rows.sort(key=lambda r: -r.seconds)
+    done = [
+        _finished_row(f, per_run)
+        for f in reversed(plugin.finished)
+        if now - f.finished <= FINISHED_SECONDS
+    ]
+    workers = tuple(_worker_row(addr, beat, now) for addr, beat in sorted(beats.items()))
+    return LiveView(tuple(rows + done), workers)
+
+
+def _progress(scheduler: Any, shuffle_id: str) -> tuple[int, int, int, int]:
+    """Transfers and outputs of a sub-shuffle: total and done each, from its barrier."""
+    barrier = scheduler.tasks.get(barrier_key(shuffle_id))
+    if barrier is None:
+        return 0, 0, 0, 0
+    transfers = barrier.dependencies
+    outputs = barrier.dependents
+    passed = barrier.state == "memory"
+    transfers_done = len(transfers) if passed else sum(t.state in _DONE for t in transfers)
+    outputs_done = sum(t.state in _DONE for t in outputs)
+    return len(transfers), transfers_done, len(outputs), outputs_done
+
+
+def _bytes_per_run(beats: dict[str, dict]) -> dict[tuple[str, int], dict[str, int]]:
+    """``{(shuffle id, run id): {bytes_*: sum over workers, "workers": n}}``."""
+    out: dict[tuple[str, int], dict[str, int]] = {}
+    for beat in beats.values():
+        for row in [*beat.get("runs", ()), *beat.get("closed", ())]:
+            total = out.setdefault((row["shuffle_id"], row["run_id"]), dict.fromkeys(_BYTES, 0))
+            for name in _BYTES:
+                total[name] += row[name] if name != "workers" else 1
+    return out
+
+
+def _open_row(scheduler: Any, run: Any, per_run: dict, now: float) -> RunRow:
+    transfers, transfers_done, outputs, outputs_done = _progress(scheduler, run.shuffle_id)
+    barrier = scheduler.tasks.get(barrier_key(run.shuffle_id))
+    phase = "assembling" if barrier is not None and barrier.state == "memory" else "transfers"
+    totals = per_run.get((run.shuffle_id, run.run_spec.run_id)) or dict.fromkeys(_BYTES, 0)
+    return RunRow(
+        run.shuffle_id,
+        run.run_spec.run_id,
+        phase,
+        transfers_done,
+        transfers,
+        outputs_done,
+        outputs,
+        totals["bytes_sent"],
+        totals["bytes_received"],
+        totals["bytes_buffered"],
+        totals["bytes_spilled"],
+        max(totals["workers"], len(run.workers)),
+        now - run.started,
+    )
+
+
+def _finished_row(f: FinishedRun, per_run: dict) -> RunRow:
+    totals = per_run.get((f.shuffle_id, f.run_id)) or dict.fromkeys(_BYTES, 0)
+    phase = "done" if f.reason == "barrier released" else f.reason
+    return RunRow(
+        f.shuffle_id,
+        f.run_id,
+        phase,
+        f.transfers,
+        f.transfers,
+        f.outputs,
+        f.outputs,
+        totals["bytes_sent"],
+        totals["bytes_received"],
+        0,  # a closed run holds nothing
+        0,
+        totals["workers"],
+        f.finished - f.started,
+    )
+
+
+def _worker_row(address: str, beat: dict, now: float) -> WorkerRow:
+    runs = beat.get("runs", ())
+    lag = beat.get("lag", {})
+    return WorkerRow(
+        address,
+        sum(r["bytes_sent"] for r in runs),
+        sum(r["bytes_received"] for r in runs),
+        sum(r["bytes_buffered"] for r in runs),
+        sum(r["bytes_spilled"] for r in runs),
+        int(beat.get("bytes_queued", 0)),
+        int(beat.get("buffer_limit", 0)),
+        int(beat.get("memory_limit", 0)),
+        float(lag.get("p99_ms", 0.0)),
+        float(lag.get("max_ms", 0.0)),
+        not beat or now - float(beat.get("time", 0.0)) > SILENT_SECONDS,
+    )

@@ -1,0 +1,154 @@
+"""The /rechunk-p2p dashboard page and the numbers behind it: served by the scheduler's
+dashboard, linked from its menu, and showing an open run's phase and progress, the
+workers' bytes and loop lag, and a finished run's totals (in-process clusters; the browser
+test is tests/test_dashboard_browser.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from rechunk_p2p.diagnostics.live import LAG_INTERVAL, LoopLagWindow
+from rechunk_p2p.diagnostics.live_view import live_view
+from rechunk_p2p.spec import PLUGIN_NAME
+
+pytest.importorskip("bokeh")
+from bokeh.client import pull_session
+
+from rechunk_p2p.diagnostics.dashboard import RechunkPage
+
+DASHBOARD = {"dashboard": True, "dashboard_address": ":0"}
+_GATE = threading.Event()  # gen_cluster workers run in this process
+
+
+def _wait_for_gate(block: np.ndarray, block_info=None) -> np.ndarray:
+    if block_info[None]["chunk-location"][0] == 0:
+        assert _GATE.wait(30), "the test never opened the gate"
+    return block
+
+
+def _gated_rechunk() -> da.Array:
+    """64 row blocks of 512 KiB into 64 column blocks; the transfer of row block 0 waits at
+    the gate (the others' shards fill whole messages, which leave before it opens)."""
+    x = da.random.RandomState(0).random((256, 16384), chunks=(4, 16384))
+    return rechunk_p2p.rechunk(x.map_blocks(_wait_for_gate, dtype=x.dtype), (256, 256)), x
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("timed out waiting")
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1)] * 2,
+    scheduler_kwargs=DASHBOARD,
+    clean_kwargs={"threads": False},  # the page's server resolves names in the loop's pool
+)
+async def test_the_page_is_served_and_linked_from_the_menu(c, s, a, b):
+    await c.compute(rechunk_p2p.rechunk(da.ones((8, 8), chunks=(1, 8)), (8, 1)).sum())
+    url = f"http://127.0.0.1:{s.http_server.port}"
+    with ThreadPoolExecutor(1) as pool:  # blocking clients; this loop serves the pages
+        page, status, runs, workers = await asyncio.get_running_loop().run_in_executor(
+            pool, _fetch_all, url
+        )
+    assert "bokeh" in page
+    assert 'href="rechunk-p2p"' in status  # in the "More..." menu, as distributed's pages
+    # a session of the page (what a browser opens): its document holds the finished run
+    assert runs["phase"] == ["done"] and runs["outputs_text"] == ["8 / 8"]
+    assert sorted(workers["address"]) == sorted([a.address, b.address])
+
+
+def _fetch_all(url: str) -> tuple[str, str, dict, dict]:
+    page = urllib.request.urlopen(f"{url}/rechunk-p2p", timeout=30).read().decode()
+    status = urllib.request.urlopen(f"{url}/status", timeout=30).read().decode()
+    session = pull_session(url=f"{url}/rechunk-p2p")
+    try:
+        doc = session.document
+        runs = dict(doc.get_model_by_name("rechunk-p2p-runs").data)
+        workers = dict(doc.get_model_by_name("rechunk-p2p-workers").data)
+    finally:
+        session.close()
+    return page, status, runs, workers
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, scheduler_kwargs=DASHBOARD)
+async def test_an_open_run_shows_its_phase_progress_and_workers(c, s, a, b):
+    _GATE.clear()
+    y, x = _gated_rechunk()
+    fut = c.compute(y)
+    try:
+        await _until(lambda: PLUGIN_NAME in s.plugins)
+        plugin = s.plugins[PLUGIN_NAME]
+        page = RechunkPage(s)
+        await _until(lambda: plugin.active and live_view(s, plugin).runs[0].transfers_done > 0)
+        await _until(lambda: all(w.bytes_received > 0 for w in live_view(s, plugin).workers))
+        view = live_view(s, plugin)
+        (run,) = view.runs
+        assert run.phase == "transfers"
+        assert run.transfers == 64 and 0 < run.transfers_done < 64
+        assert run.outputs == 64 and run.outputs_done == 0
+        assert {w.address for w in view.workers} == {a.address, b.address}
+        assert all(w.buffer_limit > 0 and not w.silent for w in view.workers)
+        page.update()
+        assert page.runs.data["phase"] == ["transfers"]
+        assert page.progress.y_range.factors == [run.label]
+        assert sorted(page.workers.data["address"]) == sorted([a.address, b.address])
+        assert page.summary.text.startswith("<b>1 run(s) open</b>")
+    finally:
+        _GATE.set()
+    result = await fut
+    np.testing.assert_array_equal(result, (await c.compute(x)))
+    await _until(lambda: not plugin.active)
+    # the totals of a finished run come with the workers' next heartbeats
+    await _until(lambda: live_view(s, plugin).runs[0].bytes_received == 256 * 16384 * 8 / 2)
+    (done,) = live_view(s, plugin).runs
+    assert done.phase == "done"
+    assert (done.transfers_done, done.outputs_done) == (64, 64)
+    assert done.bytes_memory == done.bytes_disk == 0 and done.workers == 2
+    page.update()
+    assert page.runs.data["phase"] == ["done"] and page.progress.y_range.factors == []
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_workers_send_their_loop_lag_with_every_heartbeat(c, s, a, b):
+    await c.compute(rechunk_p2p.rechunk(da.ones((8, 8), chunks=(1, 8)), (8, 1)).sum())
+    plugin = s.plugins[PLUGIN_NAME]
+    await _until(lambda: all(not w.silent for w in live_view(s, plugin).workers))
+    windows = [w.plugins[PLUGIN_NAME].lag for w in (a, b)]
+    await _until(lambda: all(len(w.recent) >= 5 for w in windows))
+    before = {w.address: w.lag_max_ms for w in live_view(s, plugin).workers}
+    assert before[a.address] < 250
+    time.sleep(0.3)  # stall the loop (gen_cluster's servers share this one) once
+
+    def shown() -> float:
+        return {w.address: w.lag_max_ms for w in live_view(s, plugin).workers}[a.address]
+
+    await _until(lambda: shown() >= 250, timeout=15)
+
+
+def test_the_lag_window_keeps_the_recent_samples_and_a_histogram():
+    window = LoopLagWindow()
+    for lag in [0.001] * 198 + [0.03, 0.2]:
+        window.add(lag)
+    summary = window.summary()
+    assert summary["max_ms"] == pytest.approx(200.0)
+    assert summary["p99_ms"] == pytest.approx(30.0)
+    assert window.buckets[0] == 198 and sum(window.buckets) == 200
+    for _ in range(300):  # old samples leave the recent window, not the histogram
+        window.add(0.002)
+    assert window.summary()["max_ms"] == pytest.approx(2.0)
+    assert sum(window.buckets) == 500
+    assert LAG_INTERVAL <= 0.1
