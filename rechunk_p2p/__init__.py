@@ -12,6 +12,7 @@ from typing import Any
 from rechunk_p2p import config  # noqa: F401  (loads the configuration defaults)
 from rechunk_p2p.api import cluster_statistics, plan, rechunk, register
 from rechunk_p2p.diagnostics import LoopLagReport, measure_event_loops
+from rechunk_p2p.diagnostics.perf_report import performance_report
 from rechunk_p2p.diagnostics.run_report import report
 from rechunk_p2p.errors import (
     ClusterError,
@@ -43,6 +44,7 @@ __all__ = [
     "install",
     "installed",
     "measure_event_loops",
+    "performance_report",
     "plan",
     "rechunk",
     "rechunk_zarr",

@@ -329,7 +329,8 @@ def demo_command(args: argparse.Namespace) -> int:
     """``rechunk-p2p demo``: generate, rechunk, verify, clean up."""
     from rechunk_p2p.integrations import demo
 
-    with demo.workspace() as work, cluster(args):
+    with demo.workspace() as work, cluster(args) as client:
+        _print_dashboard(client)
         source = demo.generate(work, args.size)
         print(f"generated {source.describe()}")
         report = demo.rechunk(source, work, storage=args.storage)
@@ -382,6 +383,15 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
         finally:
             with contextlib.suppress(Exception):
                 client.run(_quiet_shutdown)
+
+
+def _print_dashboard(client: Any) -> None:
+    """The address of the engine's dashboard page, where the cluster serves one."""
+    import importlib.util
+
+    link = getattr(client, "dashboard_link", None)
+    if link and importlib.util.find_spec("bokeh") is not None:
+        print(f"watch it at {link.rsplit('/', 1)[0]}/rechunk-p2p")
 
 
 def _quiet_shutdown() -> None:

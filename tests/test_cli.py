@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,4 +206,5 @@ def test_demo_command(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "verified: all" in result.stdout
     assert "throughput" in result.stdout and "p99" in result.stdout
+    assert re.match(r"watch it at http://[^ ]+:\d+/rechunk-p2p\n", result.stdout)  # bokeh is in
     assert not list(tmp_path.glob("rechunk-p2p-demo-*"))  # the demo cleans up after itself

@@ -10,6 +10,7 @@ nothing is installed.
 
 from __future__ import annotations
 
+import html
 import logging
 from typing import Any
 
@@ -78,31 +79,25 @@ class RechunkPage:
     Names (``rechunk-p2p-*``) identify the models for tests and for the browser.
     """
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, since: float | None = None) -> None:
         from bokeh.layouts import column, row
         from bokeh.models import (
             ColumnDataSource,
-            DataTable,
+            DataRange1d,
             Div,
             FactorRange,
             NumeralTickFormatter,
             Span,
-            TableColumn,
         )
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
+        self.since = since  # the finished runs shown: since then (default: the recent ones)
         self.runs = ColumnDataSource(_runs_data(LiveView((), ())), name="rechunk-p2p-runs")
         self.workers = ColumnDataSource(_workers_data(LiveView((), ())), name="rechunk-p2p-workers")
         self.summary = Div(text="No rechunk yet.", name="rechunk-p2p-summary")
-        self.table = DataTable(
-            source=self.runs,
-            columns=[TableColumn(field=f, title=t) for f, t in _RUN_COLUMNS],
-            height=180,
-            sizing_mode="stretch_width",
-            index_position=None,
-            name="rechunk-p2p-run-table",
-        )
+        # an HTML table: Bokeh's DataTable does not redraw rows whose number did not change
+        self.table = Div(text=_runs_html(self.runs.data), name="rechunk-p2p-run-table")
         self.progress = figure(
             title="Progress of the open runs: transfers, then outputs assembled",
             y_range=FactorRange(factors=[]),
@@ -132,6 +127,7 @@ class RechunkPage:
         self.bytes = figure(
             title="Per worker: shards received and held, in memory and on disk",
             y_range=FactorRange(factors=[]),
+            x_range=DataRange1d(start=0),
             height=300,
             tools="hover",
             tooltips=[
@@ -196,15 +192,31 @@ class RechunkPage:
         plugin = self.scheduler.plugins.get(PLUGIN_NAME)
         if plugin is None:
             return
-        view = live_view(self.scheduler, plugin)
+        view = live_view(self.scheduler, plugin, self.since)
         self.runs.data = _runs_data(view)
         self.workers.data = _workers_data(view)
+        self.table.text = _runs_html(self.runs.data)
         self.progress.y_range.factors = [r.label for r in view.runs if r.phase in _OPEN]
         self.bytes.y_range.factors = [w.address for w in view.workers]
         self.summary.text = _summary(view)
 
 
 _OPEN = ("transfers", "assembling")
+
+
+def _runs_html(data: dict[str, list]) -> str:
+    """The runs as an HTML table, newest first."""
+    cell = "padding:2px 12px;text-align:left;border-bottom:1px solid #ddd"
+    head = "".join(f'<th style="{cell}">{html.escape(t)}</th>' for _, t in _RUN_COLUMNS)
+    rows = "".join(
+        "<tr>"
+        + "".join(
+            f'<td style="{cell}">{html.escape(str(data[f][i]))}</td>' for f, _ in _RUN_COLUMNS
+        )
+        + "</tr>"
+        for i in range(len(data["label"]))
+    )
+    return f'<table style="border-collapse:collapse;font-size:90%"><tr>{head}</tr>{rows}</table>'
 
 
 def _summary(view: LiveView) -> str:

@@ -112,18 +112,17 @@ def finished_run(scheduler: Any, run: Any, reason: str) -> FinishedRun:
     )
 
 
-def live_view(scheduler: Any, plugin: Any) -> LiveView:
-    """The runs of ``plugin`` (the scheduler plugin) and the workers of ``scheduler`` now."""
+def live_view(scheduler: Any, plugin: Any, since: float | None = None) -> LiveView:
+    """The runs of ``plugin`` (the scheduler plugin) and the workers of ``scheduler`` now;
+    ``since``: only the runs that finished after that time (default: the last
+    :data:`FINISHED_SECONDS`)."""
     now = time.time()
+    since = now - FINISHED_SECONDS if since is None else since
     beats = {addr: ws.metrics.get(METRIC) or {} for addr, ws in scheduler.workers.items()}
     per_run = _bytes_per_run(beats)
     rows = [_open_row(scheduler, run, per_run, now) for run in plugin.active.values()]
     rows.sort(key=lambda r: -r.seconds)
-    done = [
-        _finished_row(f, per_run)
-        for f in reversed(plugin.finished)
-        if now - f.finished <= FINISHED_SECONDS
-    ]
+    done = [_finished_row(f, per_run) for f in reversed(plugin.finished) if f.finished >= since]
     workers = tuple(_worker_row(addr, beat, now) for addr, beat in sorted(beats.items()))
     return LiveView(tuple(rows + done), workers)
 
