@@ -22,7 +22,9 @@ from rechunk_p2p.planning import Partial, assign_worker
 #: (``rechunk-p2p-<token>``, ``rechunk-transfer-``, ``shuffle-barrier-``), so the dashboard and
 #: the keys show which engine ran. The output's name starts with ``rechunk-p2p`` as any P2P
 #: rechunk's does (dask's and distributed's tests look for it); the engine's intermediate
-#: tasks are named after the package.
+#: tasks (and rechunk_zarr's write and finish tasks) are named after the package,
+#: ``rechunk_p2p-<role>``: ``key_split`` stops at the underscore word, so a transfer fused
+#: with its input keeps the input's group, and the dashboard groups them by role.
 BARRIER_PREFIX = "rechunk_p2p-barrier-"
 TRANSFER_PREFIX = "rechunk_p2p-transfer-"
 JOINED_PREFIX = "rechunk_p2p-joined-"

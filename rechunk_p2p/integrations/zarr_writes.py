@@ -38,7 +38,7 @@ RUN_DIRECTORY = ".rechunk-p2p"
 RUN_RECORD = f"{RUN_DIRECTORY}/run.json"
 DONE = f"{RUN_DIRECTORY}/done"
 #: Task-name prefix of the write tasks (how an interrupted run finds them on the workers).
-WRITE_PREFIX = "rechunk-p2p-write"
+WRITE_PREFIX = "rechunk_p2p-write"
 _FORMAT = 1
 
 
@@ -252,6 +252,6 @@ def lazy_run(location: Any, consolidate_as: int | None, written: list[da.Array])
     persist of the arrays would be), so that nothing renames the rechunk's tasks later."""
     graph, keys = missing_keys(written, [set() for _ in written])
     tasks = dict(da.Array.__dask_optimize__(graph, keys))
-    key = f"rechunk-p2p-finish-{tokenize(location, keys)}"
+    key = f"rechunk_p2p-finish-{tokenize(location, keys)}"
     tasks[key] = Task(key, finished, location, consolidate_as, *(TaskRef(k) for k in keys))
     return Delayed(key, tasks)
