@@ -7,11 +7,15 @@ workers. Each test rechunks one workload with ``rechunk_p2p.rechunk`` inside
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from distributed import Client
@@ -103,6 +107,52 @@ def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) ->
     while any(_workers_hold_nothing(client).values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_workers_hold_nothing(client).values())
+
+
+@pytest.mark.timeout(int(TIMEOUT_S + 120))
+def test_loop_stays_responsive_with_the_dashboard_page_open(client: Client) -> None:
+    """The held thin rows above with the engine's dashboard page open (a Bokeh session of
+    /rechunk-p2p refreshing every 500 ms on the scheduler): the same bounds hold, and the
+    page shows the run once it is done."""
+    pytest.importorskip("bokeh")
+    url = client.dashboard_link.rsplit("/", 1)[0] + "/rechunk-p2p"
+    w = replace(thin_rows(64 * 2**20, 1), origin="held", max_ms=200.0)
+    x = input_array(w, client)
+    y, ok = workload_graph("rechunk_p2p", w, x)
+    with (
+        open_page(url) as before,
+        measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe,
+    ):
+        result = client.compute(ok).result(timeout=TIMEOUT_S)
+    report = probe.report
+    print(f"\n{w.summary()}, page open\n{report}")
+    assert result, f"{w.label}: some output chunk does not hold the values it should"
+    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
+    assert not broken, "\n".join([*broken, str(report)])
+    with open_page(url) as after:  # the page the session saw refreshed: the run is listed
+        shown = after.get_model_by_name("rechunk-p2p-runs").data
+    assert before.get_model_by_name("rechunk-p2p-runs") is not None
+    assert "done" in shown["phase"] and "2048 / 2048" in shown["outputs_text"], shown
+    del y, ok, x
+
+
+@contextlib.contextmanager
+def open_page(url: str) -> Iterator[Any]:
+    """A Bokeh session of ``url`` (what a browser tab opens): its document while open."""
+    from bokeh.client import pull_session
+    from tornado.ioloop import IOLoop
+
+    io_loop = IOLoop(make_current=False)  # the session's own (this thread has no loop)
+    asyncio.set_event_loop(io_loop.asyncio_loop)
+    try:
+        session = pull_session(url=url, io_loop=io_loop)
+        try:
+            yield session.document
+        finally:
+            session.close()
+    finally:
+        asyncio.set_event_loop(None)
+        io_loop.close()
 
 
 def _save(name: str, w: Workload, wall: float, report) -> None:

@@ -268,17 +268,16 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         if self.active.get(shuffle_id) is not run or run.run_spec.run_id != current:
             return {"status": "OK", "restarted": True}  # continued or replaced meanwhile
         for worker, result in results.items():
-            failed = isinstance(result, Exception) or (
-                isinstance(result, dict) and result.get("error") is not None
-            )
+            replied_error = isinstance(result, dict) and result.get("status") == "error"
+            failed = replied_error or isinstance(result, Exception)
             left = worker in run.departed or worker not in self.scheduler.workers
             if failed and (left or self.active.get(shuffle_id) is not run):
                 # restarted meanwhile, or the worker left: remove_worker re-ran what it
                 # owed the run (or restarted it); the barrier runs again after that
                 return {"status": "OK", "restarted": True}
-            if isinstance(result, dict) and result.get("error") is not None:
+            if replied_error:  # the worker's error reply, passed on unopened
                 logger.warning("Rechunk %s (run %s) failed on %s", shuffle_id, current, worker)
-                return {"status": "OK", "error": result["error"]}  # pickled; passed on unopened
+                return result
             if isinstance(result, Exception):
                 logger.warning(
                     "Rechunk %s (run %s) failed to flush its shards on %s: %r",

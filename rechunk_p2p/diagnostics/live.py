@@ -1,11 +1,12 @@
 """What a worker tells the scheduler about its runs with every heartbeat.
 
-Where it runs: the worker's event loop. :class:`LoopLagWindow` is a chain of
-``loop.call_at`` callbacks (one every :data:`LAG_INTERVAL`) that records how late each ran;
-:func:`heartbeat` is registered as one of the worker's custom metrics (``Worker.metrics``,
-distributed's public hook), which the worker calls on its loop when it sends a heartbeat,
-so the numbers reach the scheduler with no message of their own. Both read counters the
-worker plugin keeps already: a few dictionary lookups per heartbeat.
+Where it runs: the worker's event loop and one thread of its own. :class:`LoopLagWindow` is
+a chain of ``loop.call_at`` callbacks (one every :data:`LAG_INTERVAL`) that records how late
+each ran. The numbers travel as one of the worker's custom metrics (``Worker.metrics``,
+distributed's public hook), which the worker awaits when it sends a heartbeat, so they reach
+the scheduler with no message of their own: the loop summarises its lag (200 samples) and
+:func:`heartbeat_blocking` reads the runs' counters in the ``rechunk-p2p-heartbeat`` thread,
+since those take the locks that shard writes hold (the loop must never wait on them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from collections import deque
 from dataclasses import asdict
 from typing import Any
+
+from rechunk_p2p.offload import OffloadPool
 
 #: The name under which a worker's heartbeat carries the engine's numbers
 #: (``WorkerState.metrics[METRIC]`` on the scheduler)
@@ -94,10 +97,10 @@ class LoopLagWindow:
         return {"p99_ms": 1000.0 * p99, "max_ms": 1000.0 * ordered[-1]}
 
 
-def heartbeat(plugin: Any) -> dict[str, Any]:
+def heartbeat_blocking(plugin: Any, lag: dict[str, float]) -> dict[str, Any]:
     """The engine's numbers of ``plugin``'s worker for its next heartbeat: every open run
     and the last closed ones (bytes sent, received, in memory, on disk), the limits those
-    bytes count against, and the worker loop's recent lag."""
+    bytes count against, and ``lag``, the worker loop's recent lag."""
     open_runs = [_run_row(s) for s in plugin.run_statistics()]
     closed = [_run_row(s) for s in plugin.closed_runs()[-CLOSED_IN_HEARTBEAT:]]
     worker = plugin.worker
@@ -106,7 +109,7 @@ def heartbeat(plugin: Any) -> dict[str, Any]:
         "time": time.time(),
         "runs": open_runs,
         "closed": closed,
-        "lag": plugin.lag.summary(),
+        "lag": lag,
         "memory_limit": int(getattr(worker.memory_manager, "memory_limit", 0) or 0),
         "buffer_limit": limiter.limit if limiter is not None else 0,
         "bytes_queued": limiter.used if limiter is not None else 0,
@@ -118,14 +121,30 @@ def _run_row(stats: Any) -> dict[str, Any]:
     return {name: values[name] for name in _RUN_FIELDS}
 
 
-def install(plugin: Any, worker: Any) -> None:
-    """On the worker's loop, in the plugin's setup: start the lag window and send the
-    numbers with every heartbeat."""
-    plugin.lag.start()
-    worker.metrics[METRIC] = lambda _worker: heartbeat(plugin)
+class Heartbeat:
+    """**Loop-confined.** The engine's part of a worker's heartbeats: a lag window on the
+    worker's loop and the thread that reads the runs' counters.
 
+    ``install`` and ``uninstall`` run on the worker's loop, in the plugin's setup and
+    teardown.
+    """
 
-def uninstall(plugin: Any, worker: Any) -> None:
-    """On the worker's loop, in the plugin's teardown."""
-    plugin.lag.stop()
-    worker.metrics.pop(METRIC, None)
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.lag = LoopLagWindow()
+        self._pool: OffloadPool | None = None
+
+    def install(self, worker: Any) -> None:
+        self._pool = OffloadPool(1, name="rechunk-p2p-heartbeat")
+        self.lag.start()
+        worker.metrics[METRIC] = self._beat
+
+    def uninstall(self, worker: Any) -> None:
+        worker.metrics.pop(METRIC, None)
+        self.lag.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    async def _beat(self, worker: Any) -> dict[str, Any]:
+        assert self._pool is not None
+        return await self._pool.to_thread(heartbeat_blocking, self.plugin, self.lag.summary())

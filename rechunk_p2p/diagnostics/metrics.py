@@ -125,7 +125,7 @@ class _EngineCollector:
         )
         for plugin in plugins:
             address = str(plugin.worker.address)
-            window = plugin.lag
+            window = plugin.heartbeat.lag
             counts = list(itertools.accumulate(window.buckets))
             bounds = [*(str(b) for b in LAG_BUCKETS), "+Inf"]
             lag.add_metric([address], list(zip(bounds, counts)), window.total)

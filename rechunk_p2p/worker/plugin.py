@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distributed import Reschedule, WorkerPlugin
-from distributed.protocol.pickle import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
 from rechunk_p2p.buffers.wire import Packed
@@ -42,7 +41,7 @@ from rechunk_p2p.worker.dataplane import DataPlane
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
-from rechunk_p2p.worker.scheduler_rpc import scheduler_rpc, worker_closing
+from rechunk_p2p.worker.scheduler_rpc import error_reply, scheduler_rpc, worker_closing
 from rechunk_p2p.worker.settings import WorkerSettings
 from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL, UNFREEZE_IDLE_SECONDS
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
@@ -125,7 +124,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         # transfer tasks on this worker that have not finished (worker loop only)
         self._unfinished_transfers: set[Any] = set()
         self._unfreezer: asyncio.Future[None] | None = None
-        self.lag = live.LoopLagWindow()  # the worker loop's (loop-confined)
+        self.heartbeat = live.Heartbeat(self)  # the dashboard's numbers, with every heartbeat
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -153,14 +152,14 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._freeze_early = settings.process_tuning
         self._unfreezer = asyncio.ensure_future(self._unfreeze_when_idle())
         metrics.register_worker(self)  # on /metrics, where prometheus_client is installed
-        live.install(self, worker)  # the numbers of the dashboard, with every heartbeat
+        self.heartbeat.install(worker)
         self._ready.set()
         logger.debug("rechunk_p2p data plane of %s listens on %s", worker.address, address)
 
     async def teardown(self, worker: Any) -> None:
         self._tearing_down = True  # a run fetched from now on is closed as it arrives
         metrics.unregister_worker(self)
-        live.uninstall(self, worker)
+        self.heartbeat.uninstall(worker)
         if self._unfreezer is not None:
             self._unfreezer.cancel()
         with self._lock:
@@ -318,13 +317,13 @@ class RechunkWorkerPlugin(WorkerPlugin):
     async def _worker_barrier(self, shuffle_id: ShuffleId, run_id: RunId) -> dict:
         """This worker's part of the barrier: every input was cut; deliver what it sends.
 
-        A failure to deliver is replied as the pickled error (the scheduler passes it on to
-        the barrier task unopened, so it reaches the user with its own type).
+        A failure to deliver is replied as an error reply (:func:`error_reply`), which the
+        scheduler passes on to the barrier task, where it is raised with its own type.
         """
         try:
             await self._pass_barrier(shuffle_id, run_id)
         except RechunkP2PError as e:
-            return {"status": "OK", "error": dumps(e)}
+            return error_reply(e)
         return {"status": "OK"}
 
     async def _pass_barrier(self, shuffle_id: ShuffleId, run_id: RunId) -> None:
@@ -403,8 +402,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
         response = from_thread(
             self.worker.loop.asyncio_loop, self._barrier, shuffle_id, list(run_ids)
         )
-        if response.get("error") is not None:
-            raise loads(response["error"])  # a worker failed to deliver its shards
         if response.get("restarted"):
             raise Reschedule()
         return response["run_id"]

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from distributed.core import clean_exception
+from distributed.protocol.pickle import dumps
 
 from rechunk_p2p.errors import BROKEN_CONNECTION
 
@@ -19,6 +20,19 @@ logger = logging.getLogger("rechunk_p2p.worker.plugin")
 
 #: How long a request to the scheduler is sent again while its connection keeps breaking.
 RPC_RETRY_SECONDS = 30.0
+
+
+def error_reply(error: BaseException) -> dict:
+    """distributed's error reply for ``error``, pickled: whoever relays it (the scheduler
+    passes a worker's barrier error on to the barrier task) need not import its type, and
+    :func:`checked` raises it with its own type where it arrives."""
+    return {
+        "status": "error",
+        "exception": dumps(error),
+        "traceback": None,
+        "exception_text": repr(error),
+        "traceback_text": "",
+    }
 
 
 def checked(response: dict) -> dict:

@@ -119,7 +119,7 @@ async def test_workers_send_their_loop_lag_with_every_heartbeat(c, s, a, b):
     await c.compute(rechunk_p2p.rechunk(da.ones((8, 8), chunks=(1, 8)), (8, 1)).sum())
     plugin = s.plugins[PLUGIN_NAME]
     await _until(lambda: all(not w.silent for w in live_view(s, plugin).workers))
-    windows = [w.plugins[PLUGIN_NAME].lag for w in (a, b)]
+    windows = [w.plugins[PLUGIN_NAME].heartbeat.lag for w in (a, b)]
     await _until(lambda: all(len(w.recent) >= 5 for w in windows))
     before = {w.address: w.lag_max_ms for w in live_view(s, plugin).workers}
     assert before[a.address] < 250
