@@ -95,13 +95,7 @@ def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) ->
     assert w.n_source_chunks == 1024 and w.n_target_chunks == 2048
     x = input_array(w, client)
     y, ok = workload_graph("rechunk_p2p", w, x)
-    with measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe:
-        result = client.compute(ok).result(timeout=TIMEOUT_S)
-    report = probe.report
-    print(f"\n{w.summary()}\n{report}")
-    assert result, f"{w.label}: some output chunk does not hold the values it should"
-    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
-    assert not broken, "\n".join([*broken, str(report)])
+    _within_bounds(client, w, ok)
     del y, ok, x  # (the held chunks too)
     deadline = time.monotonic() + 10
     while any(_workers_hold_nothing(client).values()) and time.monotonic() < deadline:
@@ -119,21 +113,24 @@ def test_loop_stays_responsive_with_the_dashboard_page_open(client: Client) -> N
     w = replace(thin_rows(64 * 2**20, 1), origin="held", max_ms=200.0)
     x = input_array(w, client)
     y, ok = workload_graph("rechunk_p2p", w, x)
-    with (
-        open_page(url) as before,
-        measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe,
-    ):
-        result = client.compute(ok).result(timeout=TIMEOUT_S)
-    report = probe.report
-    print(f"\n{w.summary()}, page open\n{report}")
-    assert result, f"{w.label}: some output chunk does not hold the values it should"
-    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
-    assert not broken, "\n".join([*broken, str(report)])
+    with open_page(url) as before:
+        _within_bounds(client, w, ok, "with the page open")
     with open_page(url) as after:  # the page the session saw refreshed: the run is listed
         shown = after.get_model_by_name("rechunk-p2p-runs").data
     assert before.get_model_by_name("rechunk-p2p-runs") is not None
     assert "done" in shown["phase"] and "2048 / 2048" in shown["outputs_text"], shown
     del y, ok, x
+
+
+def _within_bounds(client: Client, w: Workload, ok: Any, note: str = "") -> None:
+    """Compute ``ok`` (every output checked) with the loops probed; assert the bounds."""
+    with measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe:
+        result = client.compute(ok).result(timeout=TIMEOUT_S)
+    report = probe.report
+    print(f"\n{w.summary()} {note}\n{report}")
+    assert result, f"{w.label}: some output chunk does not hold the values it should"
+    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
+    assert not broken, "\n".join([*broken, str(report)])
 
 
 @contextlib.contextmanager

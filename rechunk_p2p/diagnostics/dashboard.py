@@ -124,21 +124,19 @@ class RechunkPage:
             legend_label="outputs",
         )
         self.progress.xaxis.formatter = NumeralTickFormatter(format="0%")
-        self.bytes = figure(
-            title="Per worker: shards received and held, in memory and on disk",
-            y_range=FactorRange(factors=[]),
-            x_range=DataRange1d(start=0),
-            height=300,
-            tools="hover",
-            tooltips=[
-                ("worker", "@address"),
+        self.bytes = _per_worker(
+            figure,
+            "Per worker: shards received and held, in memory and on disk",
+            "rechunk-p2p-worker-bytes",
+            [
                 ("received", "@received_text"),
                 ("in memory", "@memory_text"),
                 ("on disk", "@disk_text"),
+                ("memory budget", "@memory_budget{0.0 b}"),
                 ("queued to send", "@queued_text / @buffer_limit_text"),
             ],
-            sizing_mode="stretch_width",
-            name="rechunk-p2p-worker-bytes",
+            y_range=FactorRange(factors=[]),
+            x_range=DataRange1d(start=0),
         )
         self.bytes.hbar_stack(
             ["bytes_memory", "bytes_disk"],
@@ -148,19 +146,23 @@ class RechunkPage:
             color=["#1f77b4", "#ff7f0e"],
             legend_label=["in memory", "on disk"],
         )
+        self.bytes.hbar(  # what storage auto keeps in memory before it spills
+            y="address",
+            right="memory_budget",
+            height=0.8,
+            source=self.workers,
+            fill_alpha=0,
+            line_color="red",
+            line_dash="dashed",
+            legend_label="memory budget",
+        )
         self.bytes.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
-        self.lag = figure(
-            title=f"Per worker: event-loop lag over the last 10 s (ms; mark at {LAG_MARK_MS})",
+        self.lag = _per_worker(
+            figure,
+            f"Per worker: event-loop lag over the last 10 s (ms; mark at {LAG_MARK_MS})",
+            "rechunk-p2p-worker-lag",
+            [("p99", "@lag_p99_ms{0.0} ms"), ("max", "@lag_max_ms{0.0} ms")],
             y_range=self.bytes.y_range,
-            height=300,
-            tools="hover",
-            tooltips=[
-                ("worker", "@address"),
-                ("p99", "@lag_p99_ms{0.0} ms"),
-                ("max", "@lag_max_ms{0.0} ms"),
-            ],
-            sizing_mode="stretch_width",
-            name="rechunk-p2p-worker-lag",
         )
         self.lag.hbar(
             y="address",
@@ -202,6 +204,19 @@ class RechunkPage:
 
 
 _OPEN = ("transfers", "assembling")
+
+
+def _per_worker(figure: Any, title: str, name: str, tooltips: list, **ranges: Any) -> Any:
+    """A plot with a bar per worker (hover: the worker and ``tooltips``)."""
+    return figure(
+        title=title,
+        height=300,
+        tools="hover",
+        tooltips=[("worker", "@address"), *tooltips],
+        sizing_mode="stretch_width",
+        name=name,
+        **ranges,
+    )
 
 
 def _runs_html(data: dict[str, list]) -> str:
@@ -254,6 +269,7 @@ def _workers_data(view: LiveView) -> dict[str, list]:
         "address": [w.address for w in rows],
         "bytes_memory": [w.bytes_memory for w in rows],
         "bytes_disk": [w.bytes_disk for w in rows],
+        "memory_budget": [w.memory_budget for w in rows],
         "received_text": [format_bytes(w.bytes_received) for w in rows],
         "memory_text": [format_bytes(w.bytes_memory) for w in rows],
         "disk_text": [format_bytes(w.bytes_disk) for w in rows],

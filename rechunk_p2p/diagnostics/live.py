@@ -110,10 +110,19 @@ def heartbeat_blocking(plugin: Any, lag: dict[str, float]) -> dict[str, Any]:
         "runs": open_runs,
         "closed": closed,
         "lag": lag,
-        "memory_limit": int(getattr(worker.memory_manager, "memory_limit", 0) or 0),
+        "memory_budget": _memory_budget(worker),
         "buffer_limit": limiter.limit if limiter is not None else 0,
         "bytes_queued": limiter.used if limiter is not None else 0,
     }
+
+
+def _memory_budget(worker: Any) -> int:
+    """The bytes of shards the worker keeps in memory before storage ``auto`` spills:
+    ``storage-memory-fraction`` of its memory limit (0: no limit)."""
+    from rechunk_p2p import config
+
+    limit = getattr(worker.memory_manager, "memory_limit", 0) or 0
+    return int(limit * float(config.get("storage-memory-fraction")))
 
 
 def _run_row(stats: Any) -> dict[str, Any]:

@@ -83,7 +83,7 @@ class WorkerRow:
     bytes_disk: int
     bytes_queued: int
     buffer_limit: int
-    memory_limit: int
+    memory_budget: int
     lag_p99_ms: float
     lag_max_ms: float
     silent: bool
@@ -204,7 +204,7 @@ def _worker_row(address: str, beat: dict, now: float) -> WorkerRow:
         sum(r["bytes_spilled"] for r in runs),
         int(beat.get("bytes_queued", 0)),
         int(beat.get("buffer_limit", 0)),
-        int(beat.get("memory_limit", 0)),
+        int(beat.get("memory_budget", 0)),
         float(lag.get("p99_ms", 0.0)),
         float(lag.get("max_ms", 0.0)),
         not beat or now - float(beat.get("time", 0.0)) > SILENT_SECONDS,

@@ -90,6 +90,9 @@ async def test_an_open_run_shows_its_phase_progress_and_workers(c, s, a, b):
         assert run.outputs == 64 and run.outputs_done == 0
         assert {w.address for w in view.workers} == {a.address, b.address}
         assert all(w.buffer_limit > 0 and not w.silent for w in view.workers)
+        for row, worker in zip(view.workers, sorted([a, b], key=lambda w: w.address)):
+            limit = worker.memory_manager.memory_limit or 0  # storage-memory-fraction of it
+            assert row.memory_budget == int(limit * 0.25)
         page.update()
         assert page.runs.data["phase"] == ["transfers"]
         assert page.progress.y_range.factors == [run.label]
