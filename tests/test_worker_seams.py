@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import pickle
 import threading
 from types import SimpleNamespace
 from unittest import mock
@@ -25,6 +24,7 @@ from distributed.utils_test import gen_test
 from rechunk_p2p.buffers.comm import RetryPolicy
 from rechunk_p2p.errors import RechunkCommError, RechunkRunError, StaleRunError
 from rechunk_p2p.worker import tuning as tuning_module
+from rechunk_p2p.worker.scheduler_rpc import checked
 from tests.worker_fakes import (
     SHUFFLE,
     FakeScheduler,
@@ -290,8 +290,7 @@ async def test_shards_of_a_newer_run_open_it_and_of_an_older_run_are_refused(sea
 
 async def barrier_flush(plugin, run_id: int) -> None:
     """One worker's part of the barrier, as the scheduler would ask for it."""
-    reply = await plugin._worker_barrier(SHUFFLE, run_id)
-    assert reply.get("error") is None, pickle.loads(reply["error"])
+    checked(await plugin._worker_barrier(SHUFFLE, run_id))  # raises the worker's error
 
 
 @gen_test()
@@ -299,8 +298,9 @@ async def test_a_barrier_of_a_replaced_run_is_replied_as_an_error(seam, tmp_path
     async with seam(run_id=2) as (_, _, plugins):
         await asyncio.to_thread(plugins[0].get_run_blocking, SHUFFLE)
         reply = await plugins[0]._worker_barrier(SHUFFLE, 1)
+        assert reply["status"] == "error"  # distributed's error reply, its error pickled
         with pytest.raises(StaleRunError, match=r"Barrier of run 1 .* runs run 2"):
-            raise pickle.loads(reply["error"])
+            checked(reply)
         # and a barrier task whose transfers ran for an older run is rescheduled
         with pytest.raises(Reschedule):
             await barrier(plugins[0], [2] * (ROWS - 1) + [1])
