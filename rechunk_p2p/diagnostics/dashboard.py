@@ -107,22 +107,15 @@ class RechunkPage:
             sizing_mode="stretch_width",
             name="rechunk-p2p-progress",
         )
-        self.progress.hbar(
-            y="label",
-            right="transfers_frac",
-            height=0.4,
-            source=self.runs,
-            color="#1f77b4",
-            legend_label="transfers",
-        )
-        self.progress.hbar(
-            y="label",
-            right="outputs_frac",
-            height=0.25,
-            source=self.runs,
-            color="#2ca02c",
-            legend_label="outputs",
-        )
+        for part, height, color in (("transfers", 0.4, "#1f77b4"), ("outputs", 0.25, "#2ca02c")):
+            self.progress.hbar(
+                y="label",
+                right=f"{part}_frac",
+                height=height,
+                source=self.runs,
+                color=color,
+                legend_label=part,
+            )
         self.progress.xaxis.formatter = NumeralTickFormatter(format="0%")
         self.bytes = _per_worker(
             figure,
