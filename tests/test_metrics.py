@@ -44,6 +44,7 @@ async def test_every_worker_serves_its_totals(c, s, a, b):
         key = (("worker", w.address),)
         assert after[("rechunk_p2p_runs_total", key)] >= 1
         assert after[("rechunk_p2p_runs_open", key)] == 0
+        assert after[("rechunk_p2p_bytes_queued", key)] == 0  # every send delivered
         phases = {dict(k)["phase"] for n, k in after if n == "rechunk_p2p_phase_seconds_total"}
         assert phases == {"cut", "queue_wait", "send", "store", "assemble"}
     total = {

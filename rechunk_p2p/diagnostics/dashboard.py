@@ -122,6 +122,7 @@ class RechunkPage:
             "Per worker: shards received and held, in memory and on disk",
             "rechunk-p2p-worker-bytes",
             [
+                ("sent", "@sent_text"),
                 ("received", "@received_text"),
                 ("in memory", "@memory_text"),
                 ("on disk", "@disk_text"),
@@ -263,6 +264,7 @@ def _workers_data(view: LiveView) -> dict[str, list]:
         "bytes_memory": [w.bytes_memory for w in rows],
         "bytes_disk": [w.bytes_disk for w in rows],
         "memory_budget": [w.memory_budget for w in rows],
+        "sent_text": [format_bytes(w.bytes_sent) for w in rows],
         "received_text": [format_bytes(w.bytes_received) for w in rows],
         "memory_text": [format_bytes(w.bytes_memory) for w in rows],
         "disk_text": [format_bytes(w.bytes_disk) for w in rows],

@@ -118,6 +118,11 @@ class _EngineCollector:
             "Most bytes one run had queued for sending at once",
             labels=label,
         )
+        queued_now = GaugeMetricFamily(
+            "rechunk_p2p_bytes_queued",
+            "Shard bytes waiting to be sent now (against comm.buffer-bytes-limit)",
+            labels=label,
+        )
         lag = HistogramMetricFamily(
             "rechunk_p2p_event_loop_lag_seconds",
             "How late a callback on the worker's event loop ran (sampled every 50 ms)",
@@ -136,6 +141,8 @@ class _EngineCollector:
                 family.add_metric([address], getattr(totals, name))
             messages.add_metric([address], totals.messages_sent)
             queued.add_metric([address], totals.max_bytes_queued)
+            limiter = plugin.dataplane.limiter if plugin.dataplane is not None else None
+            queued_now.add_metric([address], limiter.used if limiter is not None else 0)
             for phase in fields(totals.phases):
                 phases.add_metric([address, phase.name], getattr(totals.phases, phase.name))
         yield runs
@@ -144,6 +151,7 @@ class _EngineCollector:
         yield messages
         yield phases
         yield queued
+        yield queued_now
         yield lag
 
 
