@@ -15,7 +15,6 @@ import asyncio
 import bisect
 import time
 from collections import deque
-from dataclasses import asdict
 from typing import Any
 
 from rechunk_p2p.offload import OffloadPool
@@ -126,8 +125,7 @@ def _memory_budget(worker: Any) -> int:
 
 
 def _run_row(stats: Any) -> dict[str, Any]:
-    values = asdict(stats)
-    return {name: values[name] for name in _RUN_FIELDS}
+    return {name: getattr(stats, name) for name in _RUN_FIELDS}
 
 
 class Heartbeat:
