@@ -103,13 +103,23 @@ async def test_an_open_run_shows_its_phase_progress_and_workers(c, s, a, b):
     result = await fut
     np.testing.assert_array_equal(result, (await c.compute(x)))
     await _until(lambda: not plugin.active)
-    # the totals of a finished run come with the workers' next heartbeats
-    # (both workers' closed runs; its bytes are what crossed between them, half of every
-    # input's at most once each, more where a transfer ran again on the other worker)
+    # the totals of a finished run come with the workers' next heartbeats, and are what the
+    # workers counted when they closed it
+    closed = [
+        r
+        for w in (a, b)
+        for r in w.plugins[PLUGIN_NAME].closed_runs()
+        if r.shuffle_id == run.shuffle_id
+    ]
+    assert len(closed) == 2  # one row a worker: the run was not restarted
+    counted = (sum(r.bytes_sent for r in closed), sum(r.bytes_received for r in closed))
     await _until(
-        lambda: (row := live_view(s, plugin).runs[0]).workers == 2 and row.bytes_received > 0,
-        what=lambda: live_view(s, plugin),
+        lambda: ((row := live_view(s, plugin).runs[0]).bytes_sent, row.bytes_received) == counted,
+        what=lambda: f"workers counted {counted}; {live_view(s, plugin)}",
     )
+    # every input was cut once and counted: kept where it was cut, or sent once
+    assert sum(r.bytes_local + r.bytes_sent for r in closed) == x.nbytes
+    assert sum(r.inputs for r in closed) == 64
     (done,) = live_view(s, plugin).runs
     assert done.bytes_sent == done.bytes_received
     assert done.phase == "done"
