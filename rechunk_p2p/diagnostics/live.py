@@ -128,6 +128,11 @@ def _run_row(stats: Any) -> dict[str, Any]:
     return {name: getattr(stats, name) for name in _RUN_FIELDS}
 
 
+def _silent(worker: Any) -> dict[str, Any]:
+    """The heartbeat entry of a worker whose plugin is gone: nothing to report."""
+    return {}
+
+
 class Heartbeat:
     """**Loop-confined.** The engine's part of a worker's heartbeats: a lag window on the
     worker's loop and the thread that reads the runs' counters.
@@ -147,7 +152,10 @@ class Heartbeat:
         worker.metrics[METRIC] = self._beat
 
     def uninstall(self, worker: Any) -> None:
-        worker.metrics.pop(METRIC, None)
+        # replaced, not removed: a heartbeat may be iterating ``worker.metrics`` while it
+        # awaits this beat, and a dict that changes size under it fails the heartbeat (a
+        # plugin registered again replaces this entry in turn)
+        worker.metrics[METRIC] = _silent
         self.lag.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
