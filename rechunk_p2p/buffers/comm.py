@@ -4,6 +4,12 @@ Where it runs: the data plane's event loop, but for ``CommBuffer.put_blocking``,
 threads call. Shards arrive already cut and packed (task threads do that, see
 :mod:`rechunk_p2p.buffers.wire`); a thread holds their bytes under the limits and hands them to
 the loop without waiting for it; the loop only queues, batches and awaits sends.
+
+A destination's shards wait until they make a message (``message_bytes``), so that a worker
+sends about as many messages to each peer as the bytes between them need, however many peers
+share its buffer (each message costs both ends a fixed amount of loop and system time). Short
+queues go at the barrier (:meth:`CommBuffer.flush`), and whenever a thread must wait for
+room under a limit: then every queue goes, until the queues are empty.
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ class CommBuffer:
     concurrency
         Shared bound of sends in flight on this worker.
     message_bytes
-        Largest batch sent in one message (a single larger item is sent alone).
+        Largest batch sent in one message (a single larger item is sent alone), and what a
+        destination's queue holds before it is sent.
     retry
         Retry policy for transient errors, and the deadline of a batch's delivery.
     name
@@ -130,6 +137,8 @@ class CommBuffer:
         self._message_bytes = message_bytes
         self._retry = retry
         self._queues: defaultdict[str, deque[tuple[Packed, int]]] = defaultdict(deque)
+        self._queue_bytes: defaultdict[str, int] = defaultdict(int)  # payload bytes a queue
+        self._eager = False  # every queue goes, not only full ones: until they are empty
         self._drainers: dict[str, asyncio.Task[None]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -149,6 +158,7 @@ class CommBuffer:
         self._inbox_lock = threading.Lock()
         self._inbox_bytes = 0
         self._take_scheduled = False
+        self._press = False  # a thread waits for room: the loop sends every queue
         for limiter in self._limiters:
             limiter.add_before_wait(self._hand_on_quietly)
 
@@ -181,37 +191,55 @@ class CommBuffer:
             if due or self._phase is not SendPhase.SENDING:
                 self._hand_on()
 
-    def _hand_on(self) -> None:
-        """From a thread: have the loop take the staged shards (one wake-up for all)."""
+    def _hand_on(self, press: bool = False) -> None:
+        """From a thread: have the loop take the staged shards (one wake-up for all);
+        ``press``: and send every queue, full or not."""
         with self._inbox_lock:
-            if self._take_scheduled or not self._inbox:
+            self._press |= press
+            if self._take_scheduled or not (self._inbox or press):
                 return
             self._take_scheduled = True
         try:
             self._loop.call_soon_threadsafe(self._take_inbox)
         except RuntimeError:  # the data plane's loop is closed: the worker is going
-            for _, _, nbytes in self._empty_inbox():
+            for _, _, nbytes in self._empty_inbox()[0]:
                 self._release(nbytes)
             raise StaleRunError(
                 f"{self._name}: the data plane stopped; its sends are dropped"
             ) from None
 
     def _hand_on_quietly(self) -> None:
+        """The limiters' hook, from a thread about to wait for room: what this buffer holds
+        must go, or the wait could be for bytes that wait for more bytes."""
         with contextlib.suppress(StaleRunError):
-            self._hand_on()
+            self._hand_on(press=True)
 
-    def _empty_inbox(self) -> list[tuple[str, Packed, int]]:
+    def _empty_inbox(self) -> tuple[list[tuple[str, Packed, int]], bool]:
         with self._inbox_lock:
             self._take_scheduled = False
             items = list(self._inbox)
             self._inbox.clear()
             self._inbox_bytes = 0
-        return items
+            press, self._press = self._press, False
+        return items, press
 
     def _take_inbox(self) -> None:
-        """On the loop: queue what threads staged."""
-        for address, packed, nbytes in self._empty_inbox():
+        """On the loop: queue what threads staged (and send every queue if one pressed)."""
+        items, press = self._empty_inbox()
+        for address, packed, nbytes in items:
             self._enqueue(address, packed, nbytes)
+        if press:
+            self._send_all()
+
+    def _send_all(self) -> None:
+        """On the loop: send every queue, full or not, until all are empty."""
+        self._eager = True
+        if self._phase is SendPhase.SENDING:
+            for address in list(self._queues):
+                self._ensure_drainer(address)
+
+    def _due(self, address: str) -> bool:
+        return self._eager or self._queue_bytes[address] >= self._message_bytes
 
     def _acquire_blocking(self, nbytes: int) -> bool:
         """Hold ``nbytes`` under every limiter, in order; ``False``, holding nothing, when
@@ -244,9 +272,10 @@ class CommBuffer:
             self._release(nbytes)
             nbytes = 0
         self._queues[address].append((packed, nbytes))
+        self._queue_bytes[address] += packed.nbytes
         self._bytes_queued += nbytes
         self._max_bytes_queued = max(self._max_bytes_queued, self._bytes_queued)
-        if self._phase is SendPhase.SENDING:
+        if self._phase is SendPhase.SENDING and self._due(address):
             self._ensure_drainer(address)
 
     @property
@@ -288,8 +317,8 @@ class CommBuffer:
     async def _drain(self, address: str) -> None:
         queue = self._queues[address]
         try:
-            while queue and self._phase is SendPhase.SENDING:
-                batch, nbytes = self._take_batch(queue)
+            while queue and self._phase is SendPhase.SENDING and self._due(address):
+                batch, nbytes = self._take_batch(address)
                 try:
                     async with self._concurrency:
                         start = time.perf_counter()
@@ -313,19 +342,27 @@ class CommBuffer:
             # failed: the other peers' shards wait (the failure may be forgotten, see
             # forget); closed: dropped
             if self._phase is SendPhase.CLOSED:
-                self._drop(queue)
+                self._drop(address)
             if not self._drainers:
+                if not any(self._queues.values()):
+                    self._eager = False  # all went: queues fill up to a message again
                 self._idle.set()
 
-    def _take_batch(self, queue: deque[tuple[Packed, int]]) -> tuple[list[Packed], int]:
-        batch, total = [], 0
-        while queue and (not batch or total + queue[0][1] <= self._message_bytes):
+    def _take_batch(self, address: str) -> tuple[list[Packed], int]:
+        """The next message for ``address``: up to ``message_bytes`` (one item at least)."""
+        queue = self._queues[address]
+        batch, total, size = [], 0, 0
+        while queue and (not batch or size + queue[0][0].nbytes <= self._message_bytes):
             item, nbytes = queue.popleft()
             batch.append(item)
             total += nbytes
+            size += item.nbytes
+        self._queue_bytes[address] -= size
         return batch, total
 
-    def _drop(self, queue: deque[tuple[Packed, int]]) -> None:
+    def _drop(self, address: str) -> None:
+        queue = self._queues.pop(address, deque())
+        self._queue_bytes.pop(address, None)
         dropped = sum(nbytes for _, nbytes in queue)
         queue.clear()
         self._bytes_queued -= dropped
@@ -363,6 +400,7 @@ class CommBuffer:
         """Wait until everything queued was delivered; raise the first send error, if any,
         and :class:`StaleRunError` if the buffer was closed meanwhile (its queue dropped)."""
         self._take_inbox()
+        self._send_all()  # the short queues too
         while self._drainers:
             await self._idle.wait()
         self._raise_if_unusable()
@@ -379,13 +417,12 @@ class CommBuffer:
             drainer = self._drainers.pop(address, None)
             if drainer is not None:
                 drainer.cancel()
-            self._drop(self._queues.pop(address, deque()))
+            self._drop(address)
         if not self._drainers:
             self._idle.set()
         if self._phase is SendPhase.FAILED and self._failed_on in addresses:
             self._set_phase(SendPhase.SENDING)
-            for address in list(self._queues):  # what waited for the others goes now
-                self._ensure_drainer(address)
+            self._send_all()  # what waited for the others goes now
 
     async def close(self) -> None:
         """Stop sending, drop what is queued and give its bytes back to the limiter."""
@@ -398,8 +435,8 @@ class CommBuffer:
         for task in drainers:
             task.cancel()
         await asyncio.gather(*drainers, return_exceptions=True)
-        for queue in self._queues.values():
-            self._drop(queue)
+        for address in list(self._queues):
+            self._drop(address)
         self._idle.set()
 
     def statistics(self) -> CommStatistics:

@@ -95,7 +95,7 @@ async def test_oversized_shard_is_sent_alone():
 async def test_concurrency_is_bounded():
     send = Recorder()
     send.release.clear()
-    comm, _ = make(send, concurrency=2)
+    comm, _ = make(send, concurrency=2, message_bytes=100)  # each a message's worth
     await put_all(comm, {addr: [shard(0, 0)] for addr in "abcdef"})
     await asyncio.sleep(0.05)
     assert send.in_flight == 2
@@ -356,6 +356,31 @@ async def test_shards_are_staged_until_a_message_worth_and_go_at_the_barrier():
     assert [len(b) for _, b in send.batches] == [10]  # one message of ten, the 11th waits
     await comm.flush()  # the barrier takes what is staged
     assert [len(b) for _, b in send.batches] == [10, 1] and limiter.used == 0
+
+
+@gen_test()
+async def test_a_destination_waits_for_a_message_worth_of_its_own():
+    send = Recorder()
+    comm, limiter = make(send, message_bytes=1000)
+    # 1,800 bytes staged wake the loop; only a's queue makes a message
+    await put_all(
+        comm, {"a": [shard(0, i) for i in range(10)], "b": [shard(1, i) for i in range(4)]}
+    )
+    await put_all(comm, {"c": [shard(2, i) for i in range(4)]})
+    while not send.batches:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert [(a, len(b)) for a, b in send.batches] == [("a", 10)]
+    assert limiter.used == 800  # b's and c's, queued and held
+    await comm.flush()  # the barrier sends the short queues, one message each
+    assert sorted((a, len(b)) for a, b in send.batches) == [("a", 10), ("b", 4), ("c", 4)]
+    assert limiter.used == 0 and comm.statistics().messages == 3
+    # queues fill up to a message again after the barrier
+    await put_all(comm, {"b": [shard(1, i) for i in range(4, 15)]})
+    await asyncio.sleep(0.05)
+    assert [len(b) for a, b in send.batches if a == "b"] == [4, 10]
+    await comm.flush()
+    assert [len(b) for a, b in send.batches if a == "b"] == [4, 10, 1]
 
 
 @gen_test()
