@@ -19,7 +19,7 @@ from rechunk_p2p.local import LocalInput, LocalShuffle, assemble, gather_local
 from rechunk_p2p.spec import RunId, ShuffleId, ShuffleSpec
 
 if TYPE_CHECKING:
-    from rechunk_p2p.buffers.joined import JoinedBlocks
+    from rechunk_p2p.cutting.joined import JoinedBlocks
 
 __all__ = [
     "assemble",
@@ -119,15 +119,15 @@ def join(grid: tuple[int, ...], *blocks: np.ndarray) -> np.ndarray:
 
     For a partial without a shuffle, in a task of its own that made the chunks itself.
     """
-    from rechunk_p2p.buffers.joined import join_blocks
+    from rechunk_p2p.cutting.joined import join_blocks
 
     return join_blocks(grid, blocks)
 
 
 def made(grid: tuple[int, ...], *blocks: np.ndarray) -> JoinedBlocks:
     """Neighbouring input chunks that a transfer task made, handed to its cut unjoined (the
-    cut copies each to its place; see :mod:`rechunk_p2p.buffers.joined`)."""
-    from rechunk_p2p.buffers.joined import JoinedBlocks
+    cut copies each to its place; see :mod:`rechunk_p2p.cutting.joined`)."""
+    from rechunk_p2p.cutting.joined import JoinedBlocks
 
     return JoinedBlocks(grid, blocks)
 

@@ -1,4 +1,4 @@
-"""The malloc thresholds held while runs are open (rechunk_p2p.worker.allocator), on this
+"""The malloc thresholds held while runs are open (rechunk_p2p.store.allocator), on this
 process's own glibc: whether an array is a mapping of its own is read from ``mallinfo2``."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rechunk_p2p.buffers.base import OWN_PAGES_BYTES, empty_output
-from rechunk_p2p.worker.allocator import (
+from rechunk_p2p.store.allocator import (
     GLIBC_DEFAULT_THRESHOLD,
     HELD_TOP_BYTES,
     MAX_MMAP_THRESHOLD,
@@ -22,6 +21,7 @@ from rechunk_p2p.worker.allocator import (
     load_glibc,
     threshold_from_environment,
 )
+from rechunk_p2p.store.base import OWN_PAGES_BYTES, empty_output
 
 MiB = 2**20
 LIBC = load_glibc()
@@ -80,7 +80,7 @@ _HEAP_SCRIPT = """
 import json
 import numpy as np
 from tests.test_allocator import _maps_own_pages, MiB
-from rechunk_p2p.worker.allocator import MAX_MMAP_THRESHOLD, MallocTuning
+from rechunk_p2p.store.allocator import MAX_MMAP_THRESHOLD, MallocTuning
 
 seen = {"before": _maps_own_pages(1 * MiB)}
 tuning = MallocTuning()

@@ -27,7 +27,7 @@ MODULES = _modules_with_examples()
 
 
 def test_examples_are_found():
-    assert {"rechunk_p2p.planning.plan", "rechunk_p2p.buffers"} <= set(MODULES)
+    assert {"rechunk_p2p.planning.plan", "rechunk_p2p.store"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -12,7 +12,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
-from rechunk_p2p.buffers.comm import RetryPolicy
+from rechunk_p2p.transport.comm import RetryPolicy
 from tests.conftest import assert_clean
 
 NTHREADS_2 = [("127.0.0.1", 1), ("127.0.0.1", 1)]
@@ -140,7 +140,7 @@ async def test_the_send_queue_stays_within_the_workers_buffer(c, s, a, b):
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storage, monkeypatch):
     """Deliver every batch, then fail as if the ack was lost: the retry delivers it again."""
-    from rechunk_p2p.worker.dataplane import DataPlane
+    from rechunk_p2p.transport.dataplane import DataPlane
 
     original = DataPlane.send
     failed: set[tuple] = set()
@@ -153,7 +153,7 @@ async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storag
             raise OSError("injected: ack lost")
 
     monkeypatch.setattr(DataPlane, "send", send_then_lose_ack)
-    monkeypatch.setattr("rechunk_p2p.buffers.comm.RETRY", RetryPolicy(5, 0.001, 5.0))
+    monkeypatch.setattr("rechunk_p2p.transport.comm.RETRY", RetryPolicy(5, 0.001, 5.0))
     x = da.random.default_rng(2).random((40, 30), chunks=(4, 30))
     await _check(c, s, [a, b], x, (40, 3))
     assert failed, "no batch crossed workers"
@@ -161,14 +161,14 @@ async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storag
 
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, b, monkeypatch):
-    from rechunk_p2p.worker.dataplane import DataPlane
+    from rechunk_p2p.transport.dataplane import DataPlane
 
     async def always_fail(self, address, shuffle_id, run_id, shards):
         raise OSError("injected: network down")
 
     monkeypatch.setattr(DataPlane, "send", always_fail)
     await rechunk_p2p.register(c)
-    monkeypatch.setattr("rechunk_p2p.buffers.comm.RETRY", RetryPolicy(5, 0.001, 0.002))
+    monkeypatch.setattr("rechunk_p2p.transport.comm.RETRY", RetryPolicy(5, 0.001, 0.002))
     x = da.random.default_rng(3).random((40, 30), chunks=(4, 30))
     y = rechunk_p2p.rechunk(x, (40, 3))
     with pytest.raises(rechunk_p2p.RechunkCommError, match="network down"):
@@ -390,7 +390,7 @@ async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
 
 @gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.worker.process-tuning": False})
 async def test_freed_outputs_are_kept_only_while_a_run_is_open_and_reuse_is_on(c, s, a, b):
-    from rechunk_p2p.buffers.pages import OUTPUT_PAGES
+    from rechunk_p2p.store.pages import OUTPUT_PAGES
 
     await rechunk_p2p.register(c)
     assert not OUTPUT_PAGES.keeping
@@ -420,7 +420,7 @@ async def test_outputs_on_kept_pages_are_written_whole(c, s, a, b, storage, sour
     """Kept pages are handed out as they are: with the pool full of freed outputs whose
     every byte is 0xFF (NaN), the outputs made on them must still be exactly the input.
     (Shards of 128 KiB and more: each output gets pages of its own, not a slab.)"""
-    from rechunk_p2p.buffers.pages import OUTPUT_PAGES
+    from rechunk_p2p.store.pages import OUTPUT_PAGES
 
     x = da.random.default_rng(3).random((512, 512), chunks=source)
     nbytes = target[0] * target[1] * 8
@@ -501,8 +501,8 @@ def test_a_barrier_task_survives_substitution():
 async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
     """A worker idle for UNFREEZE_IDLE_SECONDS (shortened here) closes the data plane's
     connections no send uses; the next rechunk opens what it needs."""
+    from rechunk_p2p.transport.dataplane import DataPlane
     from rechunk_p2p.worker import plugin as plugin_module
-    from rechunk_p2p.worker.dataplane import DataPlane
 
     closed = []
     original = DataPlane.close_idle

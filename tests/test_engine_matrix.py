@@ -570,7 +570,7 @@ async def test_disk_storage_unbuffered(c, s, a, b):
     """``disk-direct-io: true``: the workers' stores write and read their files with
     O_DIRECT (the engine's own buffers: 64 MiB of write buffer, outputs of 4 KiB shards),
     and the result is the same."""
-    from rechunk_p2p.buffers import direct
+    from rechunk_p2p.store import direct
 
     writes, reads = [], []
     write, read = direct.DirectFile.write_blocking, direct.DirectFile.read_blocking
@@ -604,7 +604,7 @@ async def test_disk_storage_unbuffered(c, s, a, b):
 async def test_auto_direct_io_follows_the_hosts_spill(c, s, a, b):
     """``disk-direct-io: auto``: unbuffered when the bytes the host's workers spill outgrow
     the page cache's writeback threshold, through the page cache when they fit it."""
-    from rechunk_p2p.buffers import direct
+    from rechunk_p2p.store import direct
     from rechunk_p2p.worker import storage_choice as choice_module
 
     writes = []

@@ -16,10 +16,10 @@ PACKAGE = Path(rechunk_p2p.__file__).parent
 
 #: (module, exception) raised internally and handled inside the library.
 INTERNAL = {
-    ("worker/dataplane.py", "OSError"): "a peer's close message ends the receive loop",
-    ("buffers/files.py", "OSError"): "short reads/writes; wrapped in RechunkStorageError",
-    ("buffers/files.py", "AssertionError"): "marks an unreachable line",
-    ("buffers/direct.py", "OSError"): "short or refused unbuffered I/O; the disk store wraps "
+    ("transport/dataplane.py", "OSError"): "a peer's close message ends the receive loop",
+    ("store/files.py", "OSError"): "short reads/writes; wrapped in RechunkStorageError",
+    ("store/files.py", "AssertionError"): "marks an unreachable line",
+    ("store/direct.py", "OSError"): "short or refused unbuffered I/O; the disk store wraps "
     "it in RechunkStorageError",
     ("__init__.py", "AttributeError"): "a module __getattr__ must raise it",
     ("__main__.py", "SystemExit"): "the command line's exit status",

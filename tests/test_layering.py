@@ -35,7 +35,7 @@ def test_client_side_imports_no_worker_code():
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert {"rechunk_p2p.api", "rechunk_p2p.graph", "rechunk_p2p.tasks"} <= set(loaded)
-    worker_side = [m for m in loaded if m.startswith(("rechunk_p2p.worker", "rechunk_p2p.buffers"))]
+    worker_side = [m for m in loaded if m.startswith(("rechunk_p2p.worker", "rechunk_p2p.store"))]
     assert not worker_side, worker_side
 
 
@@ -109,6 +109,74 @@ def test_the_package_has_no_import_cycle():
     graph = _import_graph()
     assert {"rechunk_p2p.api", "rechunk_p2p.arrays", "rechunk_p2p.worker.plugin"} <= set(graph)
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+_ABOVE_ALL = (
+    "rechunk_p2p.worker",
+    "rechunk_p2p.scheduler",
+    "rechunk_p2p.recovery",
+    "rechunk_p2p.waves",
+    "rechunk_p2p.diagnostics",
+    "rechunk_p2p.integrations",
+    "rechunk_p2p.api",
+    "rechunk_p2p.cli",
+)
+#: package -> what it must not import: the layers below the worker import nothing above
+#: them, and nothing of each other but the wire format (stores hold what the wire carries)
+_MUST_NOT_IMPORT = {
+    "rechunk_p2p.planning": (
+        "rechunk_p2p.store",
+        "rechunk_p2p.transport",
+        "rechunk_p2p.cutting",
+        *_ABOVE_ALL,
+    ),
+    "rechunk_p2p.transport": ("rechunk_p2p.store", "rechunk_p2p.cutting", *_ABOVE_ALL),
+    "rechunk_p2p.store": (
+        "rechunk_p2p.cutting",
+        "rechunk_p2p.transport.comm",
+        "rechunk_p2p.transport.limiter",
+        "rechunk_p2p.transport.dataplane",
+        *_ABOVE_ALL,
+    ),
+    "rechunk_p2p.cutting": (
+        "rechunk_p2p.store",
+        "rechunk_p2p.transport.comm",
+        "rechunk_p2p.transport.limiter",
+        "rechunk_p2p.transport.dataplane",
+        *_ABOVE_ALL,
+    ),
+}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_lower_layers_import_nothing_from_higher_ones():
+    graph = _import_graph()
+    assert {"rechunk_p2p.store.base", "rechunk_p2p.transport.wire"} <= set(graph)
+    wrong = sorted(
+        f"{module} -> {imported}"
+        for module, imports in graph.items()
+        for package, banned in _MUST_NOT_IMPORT.items()
+        if _within(module, package)
+        for imported in imports
+        if any(_within(imported, b) for b in banned)
+    )
+    assert not wrong, wrong
+
+
+def test_the_layer_check_sees_a_wrong_import():
+    graph = {"rechunk_p2p.store.base": {"rechunk_p2p.worker.run"}}
+    wrong = [
+        (m, i)
+        for m, imports in graph.items()
+        for package, banned in _MUST_NOT_IMPORT.items()
+        if _within(m, package)
+        for i in imports
+        if any(_within(i, b) for b in banned)
+    ]
+    assert wrong == [("rechunk_p2p.store.base", "rechunk_p2p.worker.run")]
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -21,8 +21,8 @@ import pytest
 from distributed import Reschedule
 from distributed.utils_test import gen_test
 
-from rechunk_p2p.buffers.comm import RetryPolicy
 from rechunk_p2p.errors import RechunkCommError, RechunkRunError, StaleRunError
+from rechunk_p2p.transport.comm import RetryPolicy
 from rechunk_p2p.worker import tuning as tuning_module
 from rechunk_p2p.worker.scheduler_rpc import checked
 from tests.worker_fakes import (
@@ -42,7 +42,7 @@ ROWS, COLUMNS = 8, 4
 @contextlib.contextmanager
 def fast_retries(count: int = 5):
     """Retries 1-2 ms apart (``count`` of them) for the sends of runs made in the block."""
-    with mock.patch("rechunk_p2p.buffers.comm.RETRY", RetryPolicy(count, 0.001, 0.002)):
+    with mock.patch("rechunk_p2p.transport.comm.RETRY", RetryPolicy(count, 0.001, 0.002)):
         yield
 
 

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 from distributed.core import error_message
 
-from rechunk_p2p.buffers.limiter import ByteLimiter
-from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.planning import make_partials
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, ShuffleSpec
+from rechunk_p2p.transport.limiter import ByteLimiter
+from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.plugin import RechunkWorkerPlugin
 
 SHUFFLE = ShuffleId("seam-0.0")

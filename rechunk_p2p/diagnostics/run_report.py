@@ -83,7 +83,7 @@ class RunReport:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        from rechunk_p2p.diagnostics.html import table_html
+        from rechunk_p2p.html_tables import table_html
 
         total = sum(r.bytes_sent for r in self.runs)
         summary = [("runs", str(len(self.runs))), ("sent between workers", format_bytes(total))]

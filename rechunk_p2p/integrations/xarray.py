@@ -135,7 +135,7 @@ class DatasetRechunkPlan:
         return "\n".join(["DatasetRechunkPlan", *(f"  {k:<12} {v}" for k, v in self.rows())])
 
     def _repr_html_(self) -> str:
-        from rechunk_p2p.diagnostics.html import table_html
+        from rechunk_p2p.html_tables import table_html
 
         return table_html("DatasetRechunkPlan", self.rows())
 

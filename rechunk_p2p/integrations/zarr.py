@@ -238,7 +238,7 @@ class ZarrRechunk:
         )
 
     def _repr_html_(self) -> str:
-        from rechunk_p2p.diagnostics.html import table_html
+        from rechunk_p2p.html_tables import table_html
 
         rows = [
             (name or "(array)", "copied as it is" if p is None else dict(p.rows())["chunks"])

@@ -99,7 +99,7 @@ class ZarrRechunkReport:
 
     def _repr_html_(self) -> str:
         """The report as tables: the totals, then one row per array (Jupyter)."""
-        from rechunk_p2p.diagnostics.html import table_html
+        from rechunk_p2p.html_tables import table_html
 
         title, *summary = str(self).splitlines()
         rows = [tuple(part.strip() for part in line.split(":", 1)) for line in summary]

@@ -402,7 +402,7 @@ class RechunkPlan:
 
     def _repr_html_(self) -> str:
         """The plan as a table (Jupyter shows it in place of the repr)."""
-        from rechunk_p2p.diagnostics.html import table_html
+        from rechunk_p2p.html_tables import table_html
 
         return table_html(self.title, self.rows())
 

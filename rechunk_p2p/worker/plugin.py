@@ -19,7 +19,6 @@ from typing import Any
 from distributed import Reschedule, WorkerPlugin
 from distributed.protocol.serialize import ToPickle
 
-from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.config import warn_removed_settings
 from rechunk_p2p.diagnostics import live, metrics
 from rechunk_p2p.errors import (
@@ -37,7 +36,8 @@ from rechunk_p2p.spec import (
     RunSpec,
     ShuffleId,
 )
-from rechunk_p2p.worker.dataplane import DataPlane
+from rechunk_p2p.transport.dataplane import DataPlane
+from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from rechunk_p2p.buffers.base import empty_output, place_blocking
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.spec import ShuffleSpec, widen
+from rechunk_p2p.store.base import empty_output, place_blocking
 
 
 def read_output_blocking(store: Any, spec: ShuffleSpec, flat: int) -> tuple[np.ndarray, list[int]]:

@@ -19,20 +19,20 @@ from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
-from rechunk_p2p.buffers.assembling import AssemblingMemoryStore
-from rechunk_p2p.buffers.base import ShardStore, empty_output
-from rechunk_p2p.buffers.comm import CommBuffer, CommStatistics
-from rechunk_p2p.buffers.cuts import CutBuffers
-from rechunk_p2p.buffers.joined import JoinedBlocks
-from rechunk_p2p.buffers.split import SplitStore
-from rechunk_p2p.buffers.wire import (
-    Packed,
-)
+from rechunk_p2p.cutting.cutter import InputCutter, position_in
+from rechunk_p2p.cutting.joined import JoinedBlocks
+from rechunk_p2p.cutting.scratch import CutBuffers
 from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId
-from rechunk_p2p.worker.cutting import InputCutter, position_in
-from rechunk_p2p.worker.dataplane import DataPlane
+from rechunk_p2p.store.assembling import AssemblingMemoryStore
+from rechunk_p2p.store.base import ShardStore, empty_output
+from rechunk_p2p.store.split import SplitStore
+from rechunk_p2p.transport.comm import CommBuffer, CommStatistics
+from rechunk_p2p.transport.dataplane import DataPlane
+from rechunk_p2p.transport.wire import (
+    Packed,
+)
 from rechunk_p2p.worker.reading import read_output_blocking
 
 logger = logging.getLogger(__name__)

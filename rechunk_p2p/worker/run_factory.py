@@ -11,15 +11,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from rechunk_p2p.buffers import comm as comm_module
-from rechunk_p2p.buffers import make_store
-from rechunk_p2p.buffers.comm import CommBuffer
-from rechunk_p2p.buffers.files import ENGINE_DIRECTORY
-from rechunk_p2p.buffers.limiter import ByteLimiter
-from rechunk_p2p.buffers.wire import Packed
 from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.spec import RunSpec
-from rechunk_p2p.worker.dataplane import DataPlane
+from rechunk_p2p.store import make_store
+from rechunk_p2p.store.files import ENGINE_DIRECTORY
+from rechunk_p2p.transport import comm as comm_module
+from rechunk_p2p.transport.comm import CommBuffer
+from rechunk_p2p.transport.dataplane import DataPlane
+from rechunk_p2p.transport.limiter import ByteLimiter
+from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.run import WorkerRun
 from rechunk_p2p.worker.settings import WorkerSettings
 from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage

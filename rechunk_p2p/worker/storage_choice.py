@@ -11,8 +11,8 @@ import numpy as np
 from distributed.comm import get_address_host
 
 from rechunk_p2p import config
-from rechunk_p2p.buffers.direct import writeback_threshold_bytes
 from rechunk_p2p.spec import RunSpec
+from rechunk_p2p.store.direct import writeback_threshold_bytes
 
 
 def resolve_storage(

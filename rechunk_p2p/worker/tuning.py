@@ -15,8 +15,8 @@ from typing import Any
 
 from dask.utils import parse_timedelta
 
-from rechunk_p2p.buffers.pages import OUTPUT_PAGES
-from rechunk_p2p.worker.allocator import MallocTuning
+from rechunk_p2p.store.allocator import MallocTuning
+from rechunk_p2p.store.pages import OUTPUT_PAGES
 
 #: The interpreter's GIL switch interval while a run is open (Python's default is 5 ms):
 #: the worker's event loop waits less for the GIL behind task, data-plane and offload
@@ -61,7 +61,7 @@ class ProcessTuning:
       the worker is idle (right after a run, the collection would stop the next one's
       first steps). At most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they
       are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL.
-    - glibc's malloc thresholds (:class:`~rechunk_p2p.worker.allocator.MallocTuning`), when
+    - glibc's malloc thresholds (:class:`~rechunk_p2p.store.allocator.MallocTuning`), when
       the first run keeps shards in memory (``memory``, ``memory+disk``): arrays up to
       32 MiB come from memory freed before instead of fresh pages; the free memory is given
       back when the last run closes.

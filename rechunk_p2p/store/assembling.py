@@ -1,0 +1,446 @@
+"""A memory store that assembles each output chunk as its shards arrive.
+
+Where it runs: offload pool and task threads (blocking; never on the event loop).
+
+Each shard is copied into its output chunk when it is written, so a batch's buffer is free
+as soon as the batch is stored, the worker holds its share of the data once, and reading an
+output after the barrier only hands the array over.
+
+Outputs are allocated in *slabs*: the outputs of one shape that a batch is the first to
+reach, in one array of shape ``(outputs, *output_shape)``, each output a C-contiguous view
+of it. A batch of a regular cut (one input's shards of one shape, as
+:func:`~rechunk_p2p.transport.wire.pack_blocks` makes it) usually has the same place in each of
+its outputs (a row of every column strip, a time step of every time series), so its shards
+are placed with one strided copy per slab and place, whatever their number: a worker
+receiving thin held rows (thousands of shards of a few dozen bytes per input chunk) pays per
+batch, not per shard. Where shards are large, outputs get pages of their own instead
+(:func:`~rechunk_p2p.store.base.empty_output`, whose freed pages serve the next output)
+and each shard is one copy. Bookkeeping is numpy arrays indexed by output and a ledger of
+runs (:class:`~rechunk_p2p.store.ledger.ShardLedger`), never an object per shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
+from rechunk_p2p.planning import Partial
+from rechunk_p2p.store.base import (
+    OWN_PAGES_BYTES,
+    Shard,
+    StoreStatistics,
+    check_array,
+    check_shard,
+    closed_error,
+    copy_into_blocking,
+    empty_output,
+    touch_pages_blocking,
+)
+from rechunk_p2p.store.ledger import ShardLedger
+from rechunk_p2p.transport.wire import Packed, unpack_blocking, unpack_blocks
+
+#: Outputs first reached by one batch share slabs when its shards are at most this large:
+#: below it, a Python step per shard costs about as much as its copy or more (one strided
+#: copy of a batch into a slab is several times faster than shard by shard); above
+#: it, each output gets pages of its own, which the next output of its size takes over
+#: when it is freed.
+SLAB_SHARD_BYTES = 64 * 2**10
+#: Batches of at most this many shards are checked and placed by a loop over them.
+_FEW_SHARDS = 16
+#: A slab holds at most this many bytes (or one output): an output handed over keeps its
+#: slab alive, so a slab is the unit in which memory returns once outputs are consumed.
+SLAB_BYTES = 64 * 2**20
+
+
+class AssemblingMemoryStore:
+    """**Thread-safe (guarded by `_lock`).** Copies each shard into its output chunk on write.
+
+    Shards are copied outside the lock, from any number of threads (they fill disjoint
+    regions); :meth:`take_output_blocking` waits for copies into that output still in
+    progress. Not for object dtype, nor for axes of unknown chunk sizes (the output's shape
+    must be known before its first shard arrives).
+
+    Parameters
+    ----------
+    dtype
+        The dtype of every shard and output.
+    name
+        Names the store in error messages.
+    partial
+        The sub-shuffle: output shapes and where each input's piece lies in each output.
+    """
+
+    kind = "memory"
+
+    def __init__(self, dtype: np.dtype, name: str, partial: Partial) -> None:
+        self.dtype = np.dtype(dtype)
+        if self.dtype.hasobject:
+            raise RechunkTypeError(f"{type(self).__name__} cannot hold object dtype")
+        self.name = name
+        self._partial = partial
+        self._lock = threading.Condition()
+        self._closed = False
+        n = partial.n_outputs
+        self._slab_of = np.full(n, -1, dtype=np.int64)  # -1: not allocated (or taken)
+        self._slot_of = np.zeros(n, dtype=np.int64)
+        self._writing = np.zeros(n, dtype=np.int32)  # copies into an output in progress
+        self._placed = np.zeros(n, dtype=np.int32)  # inputs whose shard was copied in
+        self._shard_bytes = np.zeros(n, dtype=np.int64)
+        # outputs handed over, and the inputs placed in those made again by late shards
+        self._taken = np.zeros(n, dtype=bool)
+        self._late: dict[int, set[int]] = {}
+        self._slabs: dict[int, np.ndarray] = {}  # id -> (outputs, *shape)
+        self._left: dict[int, int] = {}  # id -> outputs of the slab not taken yet
+        self._next_slab = 0
+        self._held = 0  # bytes of outputs allocated and not taken yet
+        self._ledger = ShardLedger()
+        # outputs' placements, and each place's slices -> (slices, piece shape, start):
+        # see _few_places
+        self._placements: dict[int, Mapping[int, tuple[slice, ...]]] = {}
+        self._pieces: dict[int, tuple[tuple[slice, ...], tuple[int, ...], list[int]]] = {}
+
+    def __repr__(self) -> str:
+        return f"<AssemblingMemoryStore {self.name!r} dtype={self.dtype}>"
+
+    # -- writing -----------------------------------------------------------------------
+
+    def write_blocks_blocking(
+        self, outputs: Sequence[int] | np.ndarray, input_: int, blocks: np.ndarray
+    ) -> int:
+        """Copy shards ``blocks[i]`` of outputs ``outputs[i]``, all from input ``input_`` and
+        of one shape, into their outputs, dropping pairs stored before; return the bytes
+        accepted. The whole batch is checked before anything is stored.
+
+        Raises
+        ------
+        RechunkTypeError
+            ``blocks`` is not an array of the store's dtype.
+        RechunkRunError
+            The store is closed, ``blocks`` does not hold one shard per output, or a shard
+            is not input ``input_``'s piece of its output.
+        """
+        input_ = operator.index(input_)
+        blocks = check_array(blocks, self.dtype, self.kind, self.name, f"input {input_}'s batch")
+        outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
+        if blocks.ndim < 1 or len(blocks) != len(outs):
+            raise RechunkRunError(
+                f"Store {self.name!r} got {len(outs)} outputs and blocks of shape "
+                f"{blocks.shape} from input {input_}: one block per output expected"
+            )
+        if not len(outs):
+            return 0
+        starts = self._checked_places(outs, input_, blocks.shape[1:])
+        return self._write_checked_blocking(input_, outs, starts, blocks)
+
+    def _checked_places(self, outs: np.ndarray, input_: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Where input ``input_``'s shards of ``shape`` start in outputs ``outs``, after
+        checking that each is that input's piece of its output."""
+        if len(outs) <= _FEW_SHARDS:  # (a few numpy passes cost more than a loop then)
+            return self._few_places(outs.tolist(), input_, shape)
+        self._check_outputs(outs, input_)
+        starts, lengths = self._partial.places(input_, outs)
+        self._check_places(outs, input_, lengths, shape)
+        return starts
+
+    def _few_places(self, outs: list[int], input_: int, shape: tuple[int, ...]) -> np.ndarray:
+        """:meth:`Partial.places` of a few outputs, checked, from the placements the partial
+        keeps per kind of output."""
+        partial, known, starts = self._partial, self._placements, []
+        for output in outs:
+            where = None
+            if 0 <= output < partial.n_outputs:
+                placement = known.get(output)
+                if placement is None:
+                    placement = known[output] = partial.output_placement(output)
+                where = placement.get(input_)
+            if where is None:
+                raise RechunkRunError(
+                    f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                    "which has no piece of that output"
+                )
+            # (a placement's slices live as long as the partial: their id names them)
+            hit = self._pieces.get(id(where))
+            if hit is None or hit[0] is not where:
+                piece = tuple(s.stop - s.start for s in where)
+                hit = self._pieces[id(where)] = (where, piece, [s.start for s in where])
+            if hit[1] != tuple(shape):
+                raise RechunkRunError(
+                    f"Store {self.name!r} got a shard of shape {tuple(shape)} for output "
+                    f"{output} from input {input_}; its piece there has shape {hit[1]}"
+                )
+            starts.append(hit[2])
+        return np.array(starts, dtype=np.int64).reshape(len(outs), len(shape))
+
+    def write_blocking(self, shards: Iterable[Shard]) -> int:
+        """Copy shards (of any inputs and shapes) into their outputs, dropping pairs stored
+        before; return the bytes accepted. Raises as :meth:`write_blocks_blocking`."""
+        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        by_input: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for k, (_, input_, array) in enumerate(batch):
+            by_input.setdefault((input_, array.shape), []).append(k)
+        checked = []
+        for (input_, shape), rows in by_input.items():
+            outs = np.array([batch[k][0] for k in rows], dtype=np.int64)
+            starts = self._checked_places(outs, input_, shape)
+            blocks = np.empty((len(rows), *shape), dtype=self.dtype)
+            for i, k in enumerate(rows):
+                blocks[i] = batch[k][2]
+            checked.append((input_, outs, starts, blocks))
+        return sum(self._write_checked_blocking(*args) for args in checked)
+
+    def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
+        """Copy the shards of batches as they came off the wire into their outputs (the
+        batches' payloads are not kept)."""
+        accepted = 0
+        for packed in batch:
+            regular = unpack_blocks(packed, self.dtype)
+            if regular is None:
+                accepted += self.write_blocking(unpack_blocking(packed, self.dtype))
+            else:
+                accepted += self.write_blocks_blocking(packed.outputs, *regular)
+        return accepted
+
+    def _write_checked_blocking(
+        self, input_: int, outs: np.ndarray, starts: np.ndarray, blocks: np.ndarray
+    ) -> int:
+        """Admit, allocate, copy and account one checked batch of one input and shape."""
+        each = blocks[0].nbytes
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, "write shards")
+            fresh = self._ledger.admit_batch(input_, outs, checked=True)
+            if fresh is not None:
+                outs, starts, blocks = outs[fresh], starts[fresh], blocks[fresh]
+                if not len(outs):
+                    return 0
+            self._allocate_locked(outs, each)
+            for output in outs[self._taken[outs]].tolist():  # (late shards: rare)
+                self._late.setdefault(output, set()).add(input_)
+            slabs, slots = self._slab_of[outs], self._slot_of[outs]
+            one = int(slabs[0])
+            kinds = [one] if (slabs == one).all() else np.unique(slabs).tolist()
+            arrays = {sid: self._slabs[sid] for sid in kinds}
+            self._writing[outs] += 1
+        done = False
+        try:
+            _copy_blocking(arrays, slabs, slots, starts, blocks)
+            done = True
+        finally:
+            with self._lock:
+                self._writing[outs] -= 1
+                if done:
+                    self._placed[outs] += 1
+                    self._shard_bytes[outs] += each
+                    self._ledger.stored(len(outs), each * len(outs))
+                else:
+                    self._ledger.forget_batch(input_, outs)
+                self._lock.notify_all()
+        return each * len(outs)
+
+    def _allocate_locked(self, outs: np.ndarray, shard_bytes: int) -> None:
+        """Allocate the outputs of ``outs`` that have no array yet: one slab per shape for
+        small shards (see :data:`SLAB_SHARD_BYTES`), else one array each."""
+        new = outs[self._slab_of[outs] < 0]
+        if not len(new):
+            return
+        shapes = self._partial.output_shapes(new)
+        if (shapes == shapes[0]).all():
+            groups = [(new, tuple(shapes[0].tolist()))]
+        else:
+            kinds, which = np.unique(shapes, axis=0, return_inverse=True)
+            which = which.reshape(-1)
+            groups = [(new[which == g], tuple(kinds[g].tolist())) for g in range(len(kinds))]
+        for members, shape in groups:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+            per_slab = 1
+            if shard_bytes <= SLAB_SHARD_BYTES or nbytes < OWN_PAGES_BYTES:
+                per_slab = max(SLAB_BYTES // max(nbytes, 1), 1)
+            for start in range(0, len(members), per_slab):
+                self._new_slab_locked(members[start : start + per_slab], shape)
+
+    def _new_slab_locked(self, members: np.ndarray, shape: tuple[int, ...]) -> None:
+        slab = empty_output((len(members), *shape), self.dtype)
+        touch_pages_blocking(slab)  # (page faults outside the GIL, see there)
+        sid = self._next_slab
+        self._next_slab += 1
+        self._slabs[sid] = slab
+        self._left[sid] = len(members)
+        self._slab_of[members] = sid
+        self._slot_of[members] = np.arange(len(members))
+        self._held += slab.nbytes
+        self._ledger.in_memory(self._held)
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _check_outputs(self, outs: np.ndarray, input_: int) -> None:
+        outside = not 0 <= input_ < self._partial.n_inputs
+        if outs.min() >= 0 and outs.max() < self._partial.n_outputs and not outside:
+            return
+        bad = np.flatnonzero((outs < 0) | (outs >= self._partial.n_outputs))
+        if len(bad) or outside:
+            output = int(outs[bad[0]]) if len(bad) else int(outs[0])
+            which = "input" if outside else "output"
+            raise RechunkRunError(
+                f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                f"which has no piece of that output (the {which} is not in the sub-shuffle)"
+            )
+
+    def _check_places(
+        self, outs: np.ndarray, input_: int, lengths: np.ndarray, shape: tuple[int, ...]
+    ) -> None:
+        """Raise unless each shard has the shape of input ``input_``'s piece of its output
+        (every piece has elements: a length of 0 or less means there is no piece)."""
+        fits = len(shape) == lengths.shape[1] and all(n > 0 for n in shape)
+        if fits and not (lengths != np.asarray(shape, dtype=np.int64)).any():
+            return  # (the usual case, in one pass)
+        absent = (lengths <= 0).any(axis=1)
+        wrong = absent.copy()
+        if len(shape) != lengths.shape[1]:
+            wrong[:] = True
+        else:
+            wrong |= (lengths != np.asarray(shape, dtype=np.int64)).any(axis=1)
+        bad = np.flatnonzero(wrong)
+        if not len(bad):
+            return
+        k = int(bad[0])
+        output = int(outs[k])
+        if absent[k]:
+            raise RechunkRunError(
+                f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                "which has no piece of that output"
+            )
+        raise RechunkRunError(
+            f"Store {self.name!r} got a shard of shape {tuple(shape)} for output {output} "
+            f"from input {input_}; its piece there has shape {tuple(lengths[k].tolist())}"
+        )
+
+    # -- reading -----------------------------------------------------------------------
+
+    def take_output_blocking(self, output: int) -> tuple[np.ndarray | None, list[int]]:
+        """Hand over output chunk ``output`` and forget it: the array (``None`` if no shard
+        of it was written) and the inputs whose shards it lacks, sorted. Waits for copies
+        into it still in progress."""
+        with self._lock:
+            while self._writing[output] and not self._closed:
+                self._lock.wait()
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            sid = int(self._slab_of[output])
+            expected = self._partial.output_placement(output)
+            if sid < 0:
+                return None, sorted(expected)
+            slab = self._slabs[sid]
+            array = slab[int(self._slot_of[output])]
+            placed = int(self._placed[output])
+            self._slab_of[output] = -1
+            self._held -= array.nbytes
+            self._ledger.read(int(self._shard_bytes[output]))
+            self._left[sid] -= 1
+            self._placed[output] = self._shard_bytes[output] = 0
+            if not self._left[sid]:  # the outputs handed over keep the slab alive
+                del self._slabs[sid], self._left[sid]
+            complete = placed == len(expected)
+            missing = [] if complete else self._missing_locked(output, expected)
+            self._taken[output] = True
+        return array, missing
+
+    def _missing_locked(self, output: int, expected: Iterable[int]) -> list[int]:
+        if self._taken[output]:  # made again after it was handed over
+            late = self._late.pop(output, set())
+            return sorted(i for i in expected if i not in late)
+        return sorted(i for i in expected if not self._ledger.holds(output, i))
+
+    def close_blocking(self) -> None:
+        """Drop every output; idempotent."""
+        with self._lock:
+            self._closed = True
+            self._slabs.clear()
+            self._left.clear()
+            self._held = 0
+            self._ledger.clear()
+            self._lock.notify_all()
+
+    def statistics(self) -> StoreStatistics:
+        """Return a snapshot of the store's counters (in memory: the output chunks begun)."""
+        with self._lock:
+            begun = int((self._slab_of >= 0).sum())
+            return self._ledger.statistics(self.kind, outputs=begun)
+
+
+def _copy_blocking(
+    arrays: dict[int, np.ndarray],
+    slabs: np.ndarray,
+    slots: np.ndarray,
+    starts: np.ndarray,
+    blocks: np.ndarray,
+) -> None:
+    """Copy shard ``blocks[k]`` to ``arrays[slabs[k]][slots[k]]`` at ``starts[k]``: one
+    strided copy for the shards of one slab that have one place in their outputs, one copy
+    per shard in an output of its own."""
+    shape = blocks.shape[1:]
+    if len(blocks) <= _FEW_SHARDS:
+        _copy_few_blocking(arrays, slabs.tolist(), slots.tolist(), starts.tolist(), blocks)
+        return
+    if all(len(arrays[sid]) == 1 for sid in arrays):  # outputs of their own: shard by shard
+        for k, (sid, place) in enumerate(zip(slabs.tolist(), starts.tolist())):
+            region = tuple(slice(p, p + n) for p, n in zip(place, shape))
+            copy_into_blocking(arrays[sid][(0, *region)], blocks[k])
+        return
+    groups: list[tuple[np.ndarray | slice, np.ndarray]]
+    if (starts == starts[0]).all() and (len(slabs) < 2 or (slabs[1:] >= slabs[:-1]).all()):
+        # one place, slabs in order (the usual batch): a run of rows per slab
+        bounds = [0, *(np.flatnonzero(np.diff(slabs)) + 1).tolist(), len(slabs)]
+        groups = [
+            (slice(a, b), np.concatenate(([slabs[a]], starts[0])))
+            for a, b in itertools.pairwise(bounds)
+        ]
+    else:
+        key = np.column_stack((slabs, starts))
+        kinds, which = np.unique(key, axis=0, return_inverse=True)
+        order = np.argsort(which.reshape(-1), kind="stable")
+        bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(kinds) + 1))
+        groups = [(order[bounds[g] : bounds[g + 1]], kinds[g]) for g in range(len(kinds))]
+    for rows, (sid, *place) in groups:
+        slab = arrays[int(sid)]
+        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
+        chosen = slots[rows]
+        source = blocks[rows]
+        if len(slab) == 1:  # an output of its own: one copy per shard
+            for k in range(len(chosen)):
+                copy_into_blocking(slab[(0, *region)], source[k])
+            continue
+        lo, count = int(chosen[0]), len(chosen)
+        if int(chosen[-1]) - lo == count - 1 and (count < 2 or (np.diff(chosen) == 1).all()):
+            slab[(slice(lo, lo + count), *region)] = source
+        else:
+            slab[(chosen, *region)] = source
+
+
+def _copy_few_blocking(
+    arrays: dict[int, np.ndarray],
+    slabs: list[int],
+    slots: list[int],
+    starts: list[list[int]],
+    blocks: np.ndarray,
+) -> None:
+    """:func:`_copy_blocking` of a few shards, grouped by a loop: one copy per run of
+    consecutive slots of one slab and place, one per shard elsewhere."""
+    shape = blocks.shape[1:]
+    groups: dict[tuple, list[int]] = {}
+    for k, (sid, place) in enumerate(zip(slabs, starts)):
+        groups.setdefault((sid, *place), []).append(k)
+    for (sid, *place), rows in groups.items():
+        slab = arrays[sid]
+        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
+        first, last = rows[0], rows[-1]
+        lo = slots[first]
+        if len(rows) > 1 and last - first == len(rows) - 1 and slots[last] - lo == last - first:
+            slab[(slice(lo, lo + len(rows)), *region)] = blocks[first : last + 1]
+            continue
+        for k in rows:
+            copy_into_blocking(slab[(slots[k], *region)], blocks[k])

@@ -1,0 +1,167 @@
+"""A shard store that keeps shards in memory.
+
+Where it runs: offload pool and task threads (blocking; never on the event loop).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.store.base import (
+    SMALL_COPY_BYTES,
+    Shard,
+    StoreStatistics,
+    check_shard,
+    closed_error,
+    copy_into_blocking,
+    owned_array,
+    place_blocking,
+)
+from rechunk_p2p.store.ledger import ShardLedger
+from rechunk_p2p.transport.wire import Packed, unpack_blocking
+
+
+class MemoryShardStore:
+    """**Thread-safe (guarded by `_lock`).** Keeps the arrays it is given, per output.
+
+    Arrays are stored as given (no copy), so a shard that is a view keeps its base alive and
+    the writer must not modify an array after handing it over. Reads return the stored
+    arrays themselves when they are C-contiguous and writeable, otherwise a C-ordered copy.
+
+    Parameters
+    ----------
+    dtype
+        The dtype of every shard.
+    name
+        Names the store in error messages.
+    """
+
+    kind = "memory"
+
+    def __init__(self, dtype: np.dtype, name: str) -> None:
+        self.dtype = np.dtype(dtype)
+        self.name = name
+        self._lock = threading.Lock()
+        self._closed = False
+        self._data: dict[int, dict[int, np.ndarray]] = {}
+        self._ledger = ShardLedger()
+
+    def __repr__(self) -> str:
+        return f"<MemoryShardStore {self.name!r} dtype={self.dtype}>"
+
+    def write_blocking(self, shards: Iterable[Shard]) -> int:
+        """Store shards, dropping ``(output, input)`` pairs already stored.
+
+        See :meth:`rechunk_p2p.store.base.ShardStore.write_blocking`.
+        """
+        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        accepted = 0
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, "write shards")
+            shards = 0
+            for output, input_, array in batch:
+                if self._ledger.admit(output, input_):
+                    self._data.setdefault(output, {})[input_] = array
+                    accepted += array.nbytes
+                    shards += 1
+            self._ledger.stored(shards, accepted)
+            self._ledger.in_memory(self._ledger.bytes_buffered)
+        return accepted
+
+    def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
+        """Store the shards of batches as they came off the wire (views of their payloads:
+        a batch's payload is freed once every shard of it was read)."""
+        return self.write_blocking(s for p in batch for s in unpack_blocking(p, self.dtype))
+
+    def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
+        """Return the ``(input index, array)`` pairs of one output, sorted by input index.
+
+        See :meth:`rechunk_p2p.store.base.ShardStore.read_blocking`.
+        """
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            arrays = self._data.pop(output, {})
+            self._ledger.read(sum(a.nbytes for a in arrays.values()))
+        return [(input_, owned_array(arrays[input_])) for input_ in sorted(arrays)]
+
+    def read_into_blocking(
+        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> list[int]:
+        """Copy each shard of ``output`` into ``out[placement[input]]`` and discard it.
+
+        Returns the input indices placed. No intermediate copy is made.
+        """
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            arrays = self._data.pop(output, {})
+            self._ledger.read(sum(a.nbytes for a in arrays.values()))
+        for input_, array in arrays.items():
+            if input_ in placement:
+                place_blocking(out, placement[input_], array)
+        return list(arrays)
+
+    def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
+        """Copy the shards of ``output`` one after another into C-contiguous ``out``, in the
+        order of the inputs ``order``, and discard them.
+
+        For outputs whose shards lie one after another in memory
+        (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`): one copy per shard into the
+        next bytes of ``out`` (:func:`~rechunk_p2p.store.base.copy_into_blocking`), and
+        nothing else per shard. Returns the inputs placed, in order,
+        stopping at the first one missing. Not for object dtype.
+
+        Raises
+        ------
+        RechunkRunError
+            The store is closed, or the shards do not fill ``out`` exactly.
+        """
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, f"read output {output}")
+            arrays = self._data.pop(output, {})
+            self._ledger.read(sum(a.nbytes for a in arrays.values()))
+        target = out.reshape(-1).view(np.uint8)
+        bytes_of = memoryview(target)
+        placed: list[int] = []
+        offset = 0
+        for input_ in order:
+            array = arrays.get(input_)
+            if array is None:
+                return placed
+            end = offset + array.nbytes
+            if end > target.nbytes:
+                break
+            if 0 < array.nbytes <= SMALL_COPY_BYTES and array.flags.c_contiguous:
+                # the usual shard (thousands per output): one memcpy with the GIL held, no
+                # copy_into_blocking checks (their cost exceeds a small shard's copy)
+                bytes_of[offset:end] = memoryview(array.reshape(-1).view(np.uint8))
+            elif array.nbytes:
+                contiguous = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                copy_into_blocking(target[offset:end], contiguous)
+            offset = end
+            placed.append(input_)
+        if offset != target.nbytes:
+            raise RechunkRunError(
+                f"The shards of output {output} in store {self.name!r} hold {offset} of its "
+                f"{target.nbytes} bytes"
+            )
+        return placed
+
+    def close_blocking(self) -> None:
+        """Drop every array; idempotent."""
+        with self._lock:
+            self._closed = True
+            self._data.clear()
+            self._ledger.clear()
+
+    def statistics(self) -> StoreStatistics:
+        """Return a snapshot of the store's counters."""
+        with self._lock:
+            return self._ledger.statistics(self.kind, outputs=len(self._data))

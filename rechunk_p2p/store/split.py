@@ -1,0 +1,143 @@
+"""A run's shards split by output: the first outputs filled in memory, the rest spilled.
+
+Where it runs: task threads and the offload pool (blocking; never on an event loop).
+
+``storage: auto`` chooses this store when a worker's share of a run is larger than its memory
+budget: rather than spilling every shard, the outputs that fit the budget are filled in
+memory as their shards arrive (:class:`AssemblingMemoryStore`) and only the others go to
+disk (:class:`DiskShardStore`). Each output lives in exactly one of the two stores, chosen
+when the store is made, so every read and write goes to one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from rechunk_p2p.store.assembling import AssemblingMemoryStore
+from rechunk_p2p.store.base import Shard, StoreStatistics, check_shard
+from rechunk_p2p.store.disk import DiskShardStore
+from rechunk_p2p.transport.wire import Packed, split_packed_blocking
+
+
+class SplitStore:
+    """**Thread-safe** (each part guards itself; the split never changes). Outputs
+    ``in_memory`` are assembled in memory, every other output's shards are spilled.
+
+    Parameters
+    ----------
+    memory
+        The store of the outputs in memory.
+    disk
+        The store of the others.
+    in_memory
+        One boolean per flat output of the sub-shuffle: whether it is held in memory
+        (outputs past its end are spilled).
+    """
+
+    kind = "memory+disk"
+
+    def __init__(
+        self, memory: AssemblingMemoryStore, disk: DiskShardStore, in_memory: np.ndarray
+    ) -> None:
+        self.memory = memory
+        self.disk = disk
+        self.dtype = memory.dtype
+        self.name = memory.name
+        self._in_memory = np.asarray(in_memory, dtype=bool)
+
+    def __repr__(self) -> str:
+        held = int(self._in_memory.sum())
+        return f"<SplitStore {self.name!r} dtype={self.dtype} outputs in memory={held}>"
+
+    def holds_in_memory(self, output: int) -> bool:
+        """Whether output ``output`` is assembled in memory (taken with
+        :meth:`take_output_blocking`) rather than read back from disk."""
+        return 0 <= output < len(self._in_memory) and bool(self._in_memory[output])
+
+    def _mask(self, outputs: Iterable[int]) -> np.ndarray:
+        flats = np.fromiter(outputs, dtype=np.int64)
+        mask = np.zeros(len(flats), dtype=bool)
+        inside = (flats >= 0) & (flats < len(self._in_memory))
+        mask[inside] = self._in_memory[flats[inside]]
+        return mask
+
+    # -- writing -----------------------------------------------------------------------
+
+    def write_blocking(self, shards: Iterable[Shard]) -> int:
+        """Store shards in the part that holds their output; the bytes accepted. The whole
+        batch is checked before either part stores anything."""
+        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        mask = self._mask(s[0] for s in batch).tolist()
+        here = [s for s, m in zip(batch, mask) if m]
+        spilled = [s for s, m in zip(batch, mask) if not m]
+        return self._both(here, spilled, "write_blocking")
+
+    def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
+        """Store batches as they came off the wire, each split between the two parts (views
+        of its payload when its in-memory outputs come first, the usual case)."""
+        here: list[Packed] = []
+        spilled: list[Packed] = []
+        for packed in batch:
+            mask = self._mask(packed.outputs)
+            if mask.all():
+                here.append(packed)
+            elif not mask.any():
+                spilled.append(packed)
+            else:
+                kept, rest = split_packed_blocking(packed, mask, self.dtype)
+                here.append(kept)
+                spilled.append(rest)
+        return self._both(here, spilled, "write_packed_blocking")
+
+    def _both(self, here: list, spilled: list, method: str) -> int:
+        accepted = getattr(self.memory, method)(here) if here else 0
+        if spilled:
+            accepted += getattr(self.disk, method)(spilled)
+        return accepted
+
+    # -- reading -----------------------------------------------------------------------
+
+    def take_output_blocking(self, output: int) -> tuple[np.ndarray | None, list[int]]:
+        """An output held in memory, as :meth:`AssemblingMemoryStore.take_output_blocking`."""
+        return self.memory.take_output_blocking(output)
+
+    def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
+        """A spilled output's shards (:meth:`DiskShardStore.read_blocking`)."""
+        return self.disk.read_blocking(output)
+
+    def read_into_blocking(
+        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> list[int]:
+        """A spilled output read into ``out`` (:meth:`DiskShardStore.read_into_blocking`)."""
+        return self.disk.read_into_blocking(output, out, placement)
+
+    def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
+        """A spilled output read into ``out`` (:meth:`DiskShardStore.read_stacked_blocking`)."""
+        return self.disk.read_stacked_blocking(output, out, order)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close_blocking(self) -> None:
+        """Close both parts (the disk part removes its files); idempotent."""
+        try:
+            self.memory.close_blocking()
+        finally:
+            self.disk.close_blocking()
+
+    def statistics(self) -> StoreStatistics:
+        """Both parts' counters added up; ``bytes_spilled`` is the disk part's, and
+        ``max_bytes_in_memory`` the sum of both parts' peaks (an upper bound)."""
+        a, b = self.memory.statistics(), self.disk.statistics()
+        return StoreStatistics(
+            kind=self.kind,
+            shards=a.shards + b.shards,
+            duplicates=a.duplicates + b.duplicates,
+            bytes_written=a.bytes_written + b.bytes_written,
+            bytes_read=a.bytes_read + b.bytes_read,
+            bytes_buffered=a.bytes_buffered + b.bytes_buffered,
+            outputs=a.outputs + b.outputs,
+            max_bytes_in_memory=a.max_bytes_in_memory + b.max_bytes_in_memory,
+            bytes_spilled=b.bytes_spilled,
+        )

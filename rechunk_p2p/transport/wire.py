@@ -1,0 +1,211 @@
+"""Packing many shards into one buffer for the wire, and unpacking them again.
+
+Where it runs: task threads (``pack_blocking``) and the offload pool (``unpack_blocking``);
+never on an event loop. Packing turns every shard bound for one worker into one header of
+small integers and one contiguous payload, so that sending and receiving cost the data plane's
+loop the same few operations whatever the number of shards.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+
+from rechunk_p2p.errors import RechunkRunError
+
+Shard = tuple[int, int, np.ndarray]
+"""``(output index, input index, array)``; flat indices within one sub-shuffle."""
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """**Immutable.** Shards of one sender for one destination, as header and payload.
+
+    ``outputs[i]``, ``inputs[i]`` and ``shapes[i]`` describe shard ``i``; its elements lie
+    in ``payload`` (raw bytes, one shard after another; pickled arrays for object dtype).
+    """
+
+    outputs: tuple[int, ...]
+    inputs: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    payload: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+    @property
+    def regular(self) -> bool:
+        """Whether the batch has shards, all from one input and of one shape (a regular
+        cut's batch, as :func:`pack_blocks` makes it)."""
+        n = len(self.outputs)
+        inputs, shapes = self.inputs, self.shapes
+        return bool(n) and inputs.count(inputs[0]) == n and shapes.count(shapes[0]) == n
+
+    def header(self) -> dict:
+        """The small part of the message (msgpack-friendly lists). A :attr:`regular` batch
+        names its input and shape once, instead of once per shard (a batch of 4 KiB shards
+        holds 512 of them)."""
+        if self.regular:
+            shape = list(self.shapes[0])
+            return {"outputs": list(self.outputs), "input": self.inputs[0], "shape": shape}
+        return {
+            "outputs": list(self.outputs),
+            "inputs": list(self.inputs),
+            "shapes": [list(s) for s in self.shapes],
+        }
+
+    @classmethod
+    def from_message(cls, header: dict, payload: np.ndarray) -> Packed:
+        outputs = tuple(header["outputs"])
+        if "input" in header:
+            n = len(outputs)
+            return cls(outputs, (header["input"],) * n, (tuple(header["shape"]),) * n, payload)
+        return cls(
+            outputs,
+            tuple(header["inputs"]),
+            tuple(tuple(s) for s in header["shapes"]),
+            payload,
+        )
+
+
+def pack_blocking(shards: list[Shard], dtype: np.dtype) -> Packed:
+    """Copy shards into one contiguous payload (pickled for object dtype)."""
+    outputs = tuple(s[0] for s in shards)
+    inputs = tuple(s[1] for s in shards)
+    shapes = tuple(s[2].shape for s in shards)
+    if dtype.hasobject:
+        data = pickle.dumps([s[2] for s in shards], protocol=5)
+        return Packed(outputs, inputs, shapes, np.frombuffer(data, dtype="u1"))
+    itemsize = dtype.itemsize
+    payload = np.empty(sum(s[2].size for s in shards) * itemsize, dtype="u1")
+    offset = 0
+    for _, _, arr in shards:
+        n = arr.size * itemsize
+        if n:
+            dst = payload[offset : offset + n].view(dtype).reshape(arr.shape)
+            np.copyto(dst, arr, casting="equiv")
+        offset += n
+    return Packed(outputs, inputs, shapes, payload)
+
+
+def pack_blocks(outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.dtype) -> Packed:
+    """Shards ``blocks[i]`` (of output ``outputs[i]``, all from ``input_``) as one batch.
+
+    ``blocks`` is C-contiguous (a slice of what
+    :func:`~rechunk_p2p.cutting.regular.cut_regular_blocking` returns): the payload is a view
+    of it, no copy.
+    """
+    shape = tuple(blocks.shape[1:])
+    n = len(outputs)
+    payload = np.ascontiguousarray(blocks).reshape(-1).view(np.uint8)
+    return Packed(tuple(outputs.tolist()), (input_,) * n, (shape,) * n, payload)
+
+
+def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | None:
+    """``(input, blocks)`` when every shard of a batch comes from one input and has one
+    shape (a regular cut's batch, as :func:`pack_blocks` makes it): shard ``i`` is
+    ``blocks[i]``, all of them one view of the payload. ``None`` for any other batch.
+
+    Raises
+    ------
+    RechunkRunError
+        The payload's size does not match the shards' shapes.
+    """
+    if dtype.hasobject or not packed.regular:
+        return None
+    n, shape = len(packed.outputs), packed.shapes[0]
+    _check_payload(packed, n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    return packed.inputs[0], packed.payload.view(dtype).reshape(n, *shape)
+
+
+def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
+    """The byte count of each shard of ``packed`` (fixed-width ``dtype``), checked against
+    its payload."""
+    shapes = packed.shapes
+    if shapes and all(s == shapes[0] for s in shapes):
+        sizes = np.full(len(shapes), int(np.prod(shapes[0], dtype=np.int64)) * dtype.itemsize)
+    else:
+        sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
+        sizes *= dtype.itemsize
+    _check_payload(packed, int(sizes.sum()))
+    return sizes
+
+
+def split_packed_blocking(
+    packed: Packed, keep: np.ndarray, dtype: np.dtype
+) -> tuple[Packed, Packed]:
+    """``packed`` as two batches: the shards where ``keep`` is true, and the others.
+
+    When the kept shards come first (a batch's outputs are ascending, and a worker's outputs
+    split at one output), both batches view the payload; otherwise each gets a copy of its
+    shards' bytes. Not for object dtype.
+
+    Examples
+    --------
+    >>> p = pack_blocking([(0, 5, np.arange(2.0)), (1, 5, np.arange(3.0))], np.dtype("f8"))
+    >>> kept, rest = split_packed_blocking(p, np.array([True, False]), np.dtype("f8"))
+    >>> kept.outputs, kept.payload.view("f8").tolist(), rest.outputs, rest.nbytes
+    ((0,), [0.0, 1.0], (1,), 24)
+    """
+    sizes = packed_sizes(packed, dtype)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    kept = np.flatnonzero(keep)
+    rest = np.flatnonzero(~keep)
+    k = len(kept)
+    if k and kept[-1] == k - 1:  # a prefix: two views
+        cut = int(ends[k - 1])
+        return _subset(packed, kept, packed.payload[:cut]), _subset(
+            packed, rest, packed.payload[cut:]
+        )
+    parts = []
+    for chosen in (kept, rest):
+        bounds = zip(starts[chosen].tolist(), ends[chosen].tolist())
+        pieces = [packed.payload[a:b] for a, b in bounds]
+        payload = np.concatenate(pieces) if pieces else packed.payload[:0]
+        parts.append(_subset(packed, chosen, payload))
+    return parts[0], parts[1]
+
+
+def _subset(packed: Packed, chosen: np.ndarray, payload: np.ndarray) -> Packed:
+    """The header of ``packed``'s shards ``chosen`` (ascending), with ``payload``."""
+    pick = chosen.tolist()
+    return Packed(
+        tuple(packed.outputs[i] for i in pick),
+        tuple(packed.inputs[i] for i in pick),
+        tuple(packed.shapes[i] for i in pick),
+        payload,
+    )
+
+
+def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
+    """The shards of a packed batch, as arrays viewing its payload (no copy)."""
+    if dtype.hasobject:
+        arrays = pickle.loads(packed.payload.tobytes())
+        return list(zip(packed.outputs, packed.inputs, arrays))
+    shapes = packed.shapes
+    if shapes and all(s == shapes[0] for s in shapes):  # a regular cut: one reshape
+        count = len(shapes) * int(np.prod(shapes[0], dtype=np.int64))
+        _check_payload(packed, count * dtype.itemsize)
+        arrays = packed.payload.view(dtype).reshape(len(shapes), *shapes[0])
+        return list(zip(packed.outputs, packed.inputs, arrays))
+    shards: list[Shard] = []
+    offset = 0
+    itemsize = dtype.itemsize
+    for out, inp, shape in zip(packed.outputs, packed.inputs, shapes):
+        count = int(np.prod(shape, dtype=np.int64))
+        n = count * itemsize
+        arr = packed.payload[offset : offset + n].view(dtype).reshape(shape)
+        shards.append((out, inp, arr))
+        offset += n
+    _check_payload(packed, offset)
+    return shards
+
+
+def _check_payload(packed: Packed, need: int) -> None:
+    """Raise when ``packed``'s payload does not hold ``need`` bytes, its shards' total."""
+    if need != packed.nbytes:
+        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {need}")
