@@ -20,7 +20,6 @@ from dask.array.core import normalize_chunks
 from dask.array.utils import validate_axis
 from dask.base import tokenize
 
-from rechunk_p2p import config
 from rechunk_p2p.chunk_sizes import check_chunk_sizes
 from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
@@ -29,6 +28,7 @@ from rechunk_p2p.holders import HeldChunks, find_held, held_groups, partial_tran
 from rechunk_p2p.planning import RechunkPlan
 from rechunk_p2p.planning.axes import Chunks, element_bytes
 from rechunk_p2p.planning.groups import transfer_groups
+from rechunk_p2p.settings import ClientSettings
 from rechunk_p2p.sources import InputSources, find_sources
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,13 @@ def rechunk_array(
     if _same_chunks(new, x.chunks):
         return x
     _require_numpy_chunks(x)
-    storage = config.storage()
+    settings = ClientSettings.read()
+    storage = settings.storage
     unknown = _unknown_axes(x)
-    sources = _joinable(x)
-    held = _held(x) if sources is None else None
+    sources = _joinable(x, settings)
+    held = _held(x, settings) if sources is None else None
     the_plan = _make_plan(
-        x, new, block_size_limit, n_workers=1, joinable=sources is not None, held=held
+        x, new, block_size_limit, settings, n_workers=1, joinable=sources is not None, held=held
     )
     ensure_registered()
     token = tokenize(x, new, storage, the_plan)  # the plan: settings that shape the graph
@@ -73,7 +74,7 @@ def rechunk_array(
         unknown_axes=unknown,
         sources=sources,
         held=held,
-        group_bytes=config.get_bytes("transfer-group-bytes"),
+        group_bytes=settings.transfer_group_bytes,
     )
 
 
@@ -90,9 +91,12 @@ def plan_array(
     _require_numpy_chunks(x)
     if n_workers is None:
         n_workers = current_n_workers()
-    sources = _joinable(x)
-    held = _held(x) if sources is None else None
-    return _make_plan(x, new, block_size_limit, n_workers, joinable=sources is not None, held=held)
+    settings = ClientSettings.read()
+    sources = _joinable(x, settings)
+    held = _held(x, settings) if sources is None else None
+    return _make_plan(
+        x, new, block_size_limit, settings, n_workers, joinable=sources is not None, held=held
+    )
 
 
 def _is_expression(x: da.Array) -> bool:
@@ -100,18 +104,18 @@ def _is_expression(x: da.Array) -> bool:
     return type(x).__module__.startswith("dask.array._array_expr")
 
 
-def _joinable(x: da.Array) -> InputSources | None:
+def _joinable(x: da.Array, settings: ClientSettings) -> InputSources | None:
     """The tasks that make ``x``'s chunks, when transfer tasks may make and join them
     (``transfer-group-bytes`` above 0, no query planning, chunk sizes known)."""
-    if config.get_bytes("transfer-group-bytes") <= 0 or _is_expression(x) or _unknown_axes(x):
+    if settings.transfer_group_bytes <= 0 or _is_expression(x) or _unknown_axes(x):
         return None
     return find_sources(x)
 
 
-def _held(x: da.Array) -> HeldChunks | None:
+def _held(x: da.Array, settings: ClientSettings) -> HeldChunks | None:
     """Where a held input's chunks sit, when transfer tasks may cut several of them
     (``transfer-group-bytes`` above 0, no query planning, chunk sizes known)."""
-    if config.get_bytes("transfer-group-bytes") <= 0 or _is_expression(x) or _unknown_axes(x):
+    if settings.transfer_group_bytes <= 0 or _is_expression(x) or _unknown_axes(x):
         return None
     return find_held(x)
 
@@ -134,6 +138,7 @@ def _make_plan(
     x: da.Array,
     new: Chunks,
     block_size_limit: int | None,
+    settings: ClientSettings,
     n_workers: int,
     joinable: bool = False,
     held: HeldChunks | None = None,
@@ -141,11 +146,10 @@ def _make_plan(
     """The plan of the shuffle of ``x``'s chunks (nothing moves them before it); with
     ``joinable``, transfer tasks make and join neighbouring chunks where that pays; with
     ``held``, transfer tasks cut the held chunks of one worker together."""
-    config.warn_removed_settings()
     unknown = _unknown_axes(x)
     old, new = _planned(x.chunks, unknown), _planned(new, unknown)
     groups = None
-    limit = config.get_bytes("transfer-group-bytes")
+    limit = settings.transfer_group_bytes
     if joinable:
         groups = transfer_groups(old, new, element_bytes(x.dtype), limit, fixed_axes=unknown)
     elif held is not None and not unknown:
@@ -157,8 +161,8 @@ def _make_plan(
         new,
         n_workers=max(int(n_workers), 1),
         unknown_axes=unknown,
-        send_buffer_bytes=config.get_optional_bytes("comm.run-buffer-bytes"),
-        partial_bytes=config.get_bytes("partial-bytes"),
+        send_buffer_bytes=settings.run_buffer_bytes,
+        partial_bytes=settings.partial_bytes,
         partial_outputs=PARTIAL_OUTPUTS,
         groups=groups,
     )

@@ -18,7 +18,6 @@ from distributed.core import error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
-from rechunk_p2p import config
 from rechunk_p2p.diagnostics import dashboard, metrics
 from rechunk_p2p.diagnostics.live_view import FINISHED_KEPT, FinishedRun, finished_run
 from rechunk_p2p.diagnostics.metrics import error_type
@@ -30,6 +29,7 @@ from rechunk_p2p.recovery import (
     SchedulerRun,
     transfer_chain,
 )
+from rechunk_p2p.settings import SchedulerSettings
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
@@ -129,7 +129,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         transitions the new tasks; tasks with restrictions of their own are left to
         distributed.
         """
-        limit = int(config.get("scheduler.assign-transfers"))
+        limit = SchedulerSettings.read().assign_transfers
         if limit <= 0 or not tasks:
             return
         roots = [ts for key in tasks if (ts := root_transfer(scheduler, key)) is not None]

@@ -94,25 +94,57 @@ def test_a_removed_setting_still_set_warns_once_and_is_ignored():
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "message"),
+    ("side", "key", "value", "message"),
     [
-        ("comm.concurrency", 0, "> 0"),
-        ("comm.timeout", "soon", "is 'soon'; give a duration"),
-        ("worker.process-tuning", "yes", "give true or false"),
-        ("disk-write-buffer-bytes", "-1MiB", "give a size >= 0"),
-        ("offload-threads", 2.5, "whole number"),
+        ("worker", "comm.concurrency", 0, "> 0"),
+        ("worker", "comm.timeout", "soon", "is 'soon'; give a duration"),
+        ("worker", "worker.process-tuning", "yes", "give true or false"),
+        ("worker", "disk-write-buffer-bytes", "-1MiB", "give a size >= 0"),
+        ("worker", "offload-threads", 2.5, "whole number"),
+        ("worker", "storage-memory-fraction", 1.5, r"give a number in \(0, 1\]"),
+        ("worker", "storage-memory-fraction", "half", r"give a number in \(0, 1\]"),
+        ("worker", "disk-direct-io", "sometimes", "choose one of auto, true, false"),
+        ("client", "storage", "tape", "choose one of disk, memory, auto"),
+        ("client", "partial-bytes", "-1", "give a size >= 0"),
+        ("client", "transfer-group-bytes", "lots", "lots"),
+        ("client", "comm.run-buffer-bytes", "0B", "give a positive size or null"),
+        ("scheduler", "scheduler.assign-transfers", -1, "whole number"),
     ],
 )
-def test_a_bad_worker_setting_is_one_line_naming_the_key(key, value, message):
-    from rechunk_p2p.worker.settings import WorkerSettings
+def test_a_bad_setting_is_one_line_naming_the_key(side, key, value, message):
+    """No cluster: each side reads its settings into one object, checked as it reads them."""
+    from rechunk_p2p.settings import ClientSettings, SchedulerSettings, WorkerSettings
 
+    read = {"worker": WorkerSettings, "client": ClientSettings, "scheduler": SchedulerSettings}
     pattern = rf"rechunk-p2p\.{key}.*{message}"
     with (
         dask.config.set({f"rechunk-p2p.{key}": value}),
         pytest.raises(RechunkP2PError, match=pattern) as info,
     ):
-        WorkerSettings.read()
+        read[side].read()
     assert "\n" not in str(info.value)
+
+
+def test_a_bad_client_setting_fails_a_rechunk_before_any_graph():
+    x = da.ones((8, 8), chunks=(1, 8))
+    with (
+        dask.config.set({"rechunk-p2p.partial-bytes": "-5"}),
+        pytest.raises(RechunkP2PError, match=r"^rechunk-p2p\.partial-bytes is '-5'"),
+    ):
+        rechunk_p2p.rechunk(x, (8, 1))
+
+
+def test_the_settings_read_are_the_defaults_and_what_is_set():
+    from rechunk_p2p.settings import ClientSettings, SchedulerSettings, WorkerSettings
+
+    assert ClientSettings.read() == ClientSettings("auto", 64 * 2**20, 16 * 2**20, None)
+    assert SchedulerSettings.read().assign_transfers == 512
+    worker = WorkerSettings.read()
+    assert (worker.storage_memory_fraction, worker.direct_io) == (0.25, None)
+    assert worker.memory_budget(4000) == 1000 and worker.memory_budget(None) is None
+    with dask.config.set({"rechunk-p2p.comm.run-buffer-bytes": "8MiB"}):
+        assert ClientSettings.read(storage="disk").run_buffer_bytes == 8 * 2**20
+        assert ClientSettings.read(storage="disk").storage == "disk"
 
 
 def test_extra_entries_are_ignored_like_dask():

@@ -118,10 +118,10 @@ def heartbeat_blocking(plugin: Any, lag: dict[str, float]) -> dict[str, Any]:
 def _memory_budget(worker: Any) -> int:
     """The bytes of shards the worker keeps in memory before storage ``auto`` spills:
     ``storage-memory-fraction`` of its memory limit (0: no limit)."""
-    from rechunk_p2p import config
+    from rechunk_p2p.settings import WorkerSettings
 
     limit = getattr(worker.memory_manager, "memory_limit", 0) or 0
-    return int(limit * float(config.get("storage-memory-fraction")))
+    return int(WorkerSettings.read().memory_budget(limit) or 0)
 
 
 def _run_row(stats: Any) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import dask.array as da
 import distributed
 from dask.utils import format_bytes, parse_bytes
 
-from rechunk_p2p import config
 from rechunk_p2p.arrays import plan_array, rechunk_array
 from rechunk_p2p.cluster import cluster_statistics
 from rechunk_p2p.errors import RechunkInputError
@@ -398,7 +397,9 @@ def _budget_settings(max_mem: int | None) -> dict[str, Any]:
     three times that while it cuts them)."""
     if max_mem is None:
         return {}
-    joined = min(config.get_bytes("transfer-group-bytes"), max_mem // 8)
+    from rechunk_p2p.settings import ClientSettings
+
+    joined = min(ClientSettings.read().transfer_group_bytes, max_mem // 8)
     return {
         "rechunk-p2p.comm.run-buffer-bytes": max(max_mem // 2, 1),
         "rechunk-p2p.transfer-group-bytes": joined,

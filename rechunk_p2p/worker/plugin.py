@@ -28,6 +28,7 @@ from rechunk_p2p.errors import (
     StaleRunError,
 )
 from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
+from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
@@ -42,7 +43,6 @@ from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
 from rechunk_p2p.worker.scheduler_rpc import error_reply, scheduler_rpc, worker_closing
-from rechunk_p2p.worker.settings import WorkerSettings
 from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL, UNFREEZE_IDLE_SECONDS
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from rechunk_p2p.offload import OffloadPool
+from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import RunSpec
 from rechunk_p2p.store import make_store
 from rechunk_p2p.store.files import ENGINE_DIRECTORY
@@ -21,7 +22,6 @@ from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.limiter import ByteLimiter
 from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.run import WorkerRun
-from rechunk_p2p.worker.settings import WorkerSettings
 from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage
 from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
@@ -40,7 +40,7 @@ def make_run(
     settings = WorkerSettings.read()
     address = worker.address
     limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
-    storage, in_memory = resolve_storage(run_spec, address, limit)
+    storage, in_memory = resolve_storage(run_spec, address, limit, settings)
     directory = os.path.join(worker.local_directory, ENGINE_DIRECTORY)
     spec, partial = run_spec.spec, run_spec.spec.partial
     known = not spec.unknown_axes  # outputs can be filled as their shards come
@@ -50,7 +50,7 @@ def make_run(
         directory=directory,
         name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
         buffer_bytes=settings.disk_write_buffer_bytes,
-        direct_io=direct_io(run_spec, storage, address, limit),
+        direct_io=direct_io(run_spec, storage, address, limit, settings),
         partial=partial if known else None,
         in_memory=in_memory,
     )

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 from distributed.comm import get_address_host
 
-from rechunk_p2p import config
+from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import RunSpec
 from rechunk_p2p.store.direct import writeback_threshold_bytes
 
 
 def resolve_storage(
-    run_spec: RunSpec, address: str, memory_limit: float | None
+    run_spec: RunSpec, address: str, memory_limit: float | None, settings: WorkerSettings
 ) -> tuple[str, np.ndarray | None]:
     """The run's store kind on the worker at ``address`` and, for ``"memory+disk"``, which
     outputs stay in memory.
@@ -30,7 +30,7 @@ def resolve_storage(
     storage = run_spec.spec.storage
     if storage != "auto":
         return storage, None
-    budget = memory_budget(memory_limit)
+    budget = settings.memory_budget(memory_limit)
     if budget is None:
         return "memory", None
     estimate = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
@@ -40,21 +40,19 @@ def resolve_storage(
     return ("disk", None) if in_memory is None else ("memory+disk", in_memory)
 
 
-def memory_budget(memory_limit: float | None) -> float | None:
-    """Bytes of shards ``auto`` lets a run hold in memory on a worker with ``memory_limit``
-    (``storage-memory-fraction`` of it); ``None`` for a worker without a limit."""
-    return memory_limit * config.get("storage-memory-fraction") if memory_limit else None
-
-
 def direct_io(
-    run_spec: RunSpec, storage: str, address: str, memory_limit: float | None
+    run_spec: RunSpec,
+    storage: str,
+    address: str,
+    memory_limit: float | None,
+    settings: WorkerSettings,
 ) -> bool | None:
     """``disk-direct-io`` for the run's store on the worker at ``address``. ``auto``: not
     when the shards this host's workers are expected to spill (this worker's share of the
     run, beyond its memory budget, times the run's workers on this host) fit within the page
     cache's writeback threshold: the cache holds them then, and serves them back from
     memory; else the store decides by its first write (``None``)."""
-    chosen = config.direct_io()
+    chosen = settings.direct_io
     if chosen is not None or storage not in ("disk", "memory+disk"):
         return chosen
     threshold = writeback_threshold_bytes()
@@ -62,7 +60,7 @@ def direct_io(
         return False
     share = run_spec.spec.nbytes / max(len(run_spec.workers), 1)
     if storage == "memory+disk":
-        share -= memory_budget(memory_limit) or 0
+        share -= settings.memory_budget(memory_limit) or 0
     host = _host(address)
     here = sum(_host(w) == host for w in run_spec.workers)
     return None if share * max(here, 1) > threshold else False
