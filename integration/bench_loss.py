@@ -20,7 +20,7 @@ Two variants alternate:
   replaced in this process), which restarts the run as before continuations existed.
 
 Reported per variant (medians): seconds from the kill to the result, output chunks assembled
-after the kill, transfer tasks run after the kill, and shard bytes the surviving workers sent
+after the kill, transfer tasks run after the kill, and piece bytes the surviving workers sent
 after the kill. A wrong result fails the benchmark (exit status 1).
 """
 
@@ -107,7 +107,7 @@ class OwnKill(WorkerPlugin):
     inputs (the transfers). The time of the kill goes to a file first; a file already there
     means the kill was done (by the victim's process, or a worker that replaced it).
 
-    The kill comes from the victim itself: assembled in memory as the shards came, outputs take
+    The kill comes from the victim itself: assembled in memory as the pieces came, outputs take
     no time, and a kill from the scheduler as it saw half of them finished came after the
     victim had finished the others too (then only results are lost, and recomputed by a new
     run, not a continuation)."""
@@ -145,7 +145,7 @@ class OwnKill(WorkerPlugin):
 
 
 class FirstUnpack(WorkerPlugin):
-    """Notes, on each worker, the shard bytes it had sent when it was first given an output
+    """Notes, on each worker, the piece bytes it had sent when it was first given an output
     task. That is after the barrier, which flushed every send: every transfer's bytes. And it
     is before any byte of a continuation: the scheduler gave the output tasks before it heard
     of the kill, on the stream that then tells of the continuation."""
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(run), flush=True)
     print(
         "\n| variant | s after kill | outputs assembled after | transfers after | "
-        "shard bytes sent after |"
+        "piece bytes sent after |"
     )
     print("|---|---:|---:|---:|---:|")
     for variant in VARIANTS:

@@ -268,6 +268,6 @@ def format_phases(
         "pool; other: task-thread time outside the engine (input generation, the result "
         f"check, scheduling, idle) of wall x {threads} task threads; floor: 2 memory copies "
         "per byte, the cross-worker share over loopback once (and page-cache write+read when "
-        "shards spilled)"
+        "pieces spilled)"
     )
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """The machine's physical limits for a rechunk, measured in the benchmark's own run.
 
 Where it runs: the benchmark process (a thread for the loopback receiver). Three bandwidths
-bound what any rechunk on one machine can do: copying memory (cutting shards, assembling
-outputs), sending bytes over loopback TCP (shards between worker processes), and writing and
-reading the page cache (shards spilled to local disk). :func:`floor_seconds` turns them into
+bound what any rechunk on one machine can do: copying memory (cutting pieces, assembling
+outputs), sending bytes over loopback TCP (pieces between worker processes), and writing and
+reading the page cache (pieces spilled to local disk). :func:`floor_seconds` turns them into
 the time the unavoidable copies and transfers of one rechunk would take.
 """
 

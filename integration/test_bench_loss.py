@@ -20,7 +20,7 @@ def test_bench_loss_continues_and_sends_less_than_a_restart(
     kept, restarted = runs["continue"], runs["restart"]
     assert (kept["continuations"], kept["restarts"], kept["runs"]) == (1, 0, 1)
     assert (restarted["continuations"], restarted["restarts"], restarted["runs"]) == (0, 1, 2)
-    # a restart sends every cross-worker shard again; a continuation only the moved outputs'
+    # a restart sends every cross-worker piece again; a continuation only the moved outputs'
     assert 0 < kept["bytes_sent_after_kill"] < restarted["bytes_sent_after_kill"] / 2
     # outputs the survivors had finished stay finished: only pending and lost ones are assembled
     # (a result in flight at the kill can count twice: it lands, then is lost with the victim)

@@ -90,7 +90,7 @@ def test_loop_stays_responsive(client: Client, name: str) -> None:
 def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) -> None:
     """Held and derived inputs of many thin chunks: 1,024 one-row chunks already in worker
     memory (or computed from them and a reduction over all of them) into 2,048 column
-    strips, two million shards of 32 bytes: right values, bounded loop lag, nothing left."""
+    strips, two million pieces of 32 bytes: right values, bounded loop lag, nothing left."""
     w = replace(thin_rows(64 * 2**20, 1), origin=origin, max_ms=200.0)
     assert w.n_source_chunks == 1024 and w.n_target_chunks == 2048
     x = input_array(w, client)

@@ -181,7 +181,7 @@ def many_small(nbytes: int) -> Workload:
 
 def thin_rows(nbytes: int, rows: int) -> Workload:
     """(e) 2-D float64 of 8,192 columns in chunks of ``rows`` rows -> column strips of 4
-    columns (all rows): one input chunk's shards are 32-byte pieces of a row per row."""
+    columns (all rows): one input chunk's pieces are 32 bytes, four elements of one row."""
     cols = 8192
     n = max(rows * 16, round(nbytes / (8 * cols) / rows) * rows)
     return Workload(

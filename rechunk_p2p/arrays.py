@@ -129,7 +129,7 @@ def _planned(chunks: Chunks, unknown: tuple[int, ...]) -> Chunks:
     """``chunks`` as the plan counts them: one element per chunk along ``unknown`` axes.
 
     Chunks never change along those axes, so each chunk there is its own sub-shuffle and a
-    shard spans it whole (see :func:`rechunk_p2p.spec.widen`).
+    piece spans it whole (see :func:`rechunk_p2p.spec.widen`).
     """
     return tuple((1,) * len(c) if axis in unknown else c for axis, c in enumerate(chunks))
 

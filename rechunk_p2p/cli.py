@@ -238,7 +238,9 @@ def _add_cluster(p: argparse.ArgumentParser, *, scheduler: bool) -> None:
     g.add_argument("--threads-per-worker", type=_positive, help="default: by CPU count")
     g.add_argument("--memory-limit", default="auto", type=_memory, help="per worker, e.g. 4GiB")
     g.add_argument(
-        "--storage", choices=("disk", "memory", "auto"), help="where workers buffer shards"
+        "--storage",
+        choices=("disk", "memory", "auto"),
+        help="where workers keep the pieces they receive",
     )
 
 

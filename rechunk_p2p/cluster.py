@@ -76,7 +76,7 @@ def cluster_statistics(client: Any) -> dict[str, float]:
     """Totals over every worker since it started.
 
     ``runs``, ``bytes_sent``, ``bytes_received``, ``bytes_spilled``, ``messages_sent``
-    (integers: batches of shards sent to other workers, one message each), and the
+    (integers: batches of pieces sent to other workers, one message each), and the
     seconds spent in each phase, summed over workers and threads: ``seconds_cut``,
     ``seconds_queue_wait``, ``seconds_send``, ``seconds_store``, ``seconds_assemble``
     (see :class:`rechunk_p2p.worker.run.PhaseSeconds`).

@@ -24,7 +24,7 @@ class RechunkTypeError(RechunkP2PError, TypeError):
 
 
 class RechunkStorageError(RechunkP2PError, OSError):
-    """Buffering shards on a worker failed (for example, the local disk is full)."""
+    """Buffering pieces on a worker failed (for example, the local disk is full)."""
 
 
 class RechunkRunError(RechunkP2PError, RuntimeError):
@@ -32,7 +32,7 @@ class RechunkRunError(RechunkP2PError, RuntimeError):
 
 
 class RechunkCommError(RechunkRunError):
-    """Shards could not be delivered to another worker in time (unreachable or silent peer)."""
+    """Pieces could not be delivered to another worker in time (unreachable or silent peer)."""
 
 
 class StaleRunError(RechunkRunError):
@@ -40,7 +40,7 @@ class StaleRunError(RechunkRunError):
 
 
 class OutputConsumedError(StaleRunError):
-    """An output chunk was assembled before, its shards are gone, and its result was lost: the
+    """An output chunk was assembled before, its pieces are gone, and its result was lost: the
     rechunk has to run again (a continued run whose kept output the worker dropped)."""
 
 

@@ -79,7 +79,7 @@ class UnpackTask(Task):
     """**Immutable.** The task that assembles one output chunk of a sub-shuffle.
 
     Fusion with neighbouring tasks is blocked: the scheduler pins the task to the worker that
-    holds its shards by its key, which fusion (e.g. with a downstream ``getitem``) would rename.
+    holds its pieces by its key, which fusion (e.g. with a downstream ``getitem``) would rename.
     """
 
     __slots__ = ()

@@ -5,7 +5,7 @@ messages and task transitions only; no array data.
 
 A run whose owner (a worker that assembles outputs) left continues without it as a new run
 id that moves its outputs to the others and keeps everything else; a run that only received
-shards from the worker goes on without it, running its transfers again; a run with no other
+pieces from the worker goes on without it, running its transfers again; a run with no other
 worker left restarts from scratch.
 """
 
@@ -48,9 +48,9 @@ class SchedulerRun:
     restricted: dict[Any, Any] = field(default_factory=dict)
     owners: frozenset[str] = frozenset()  # the workers that assemble outputs
     departed: set[str] = field(default_factory=set)  # workers that left the run on its way
-    delivered: bool = False  # a barrier of the run finished: every input's shards arrived
-    # inputs whose every shard was queued for sending by the worker named (a continued run
-    # sends only the moved outputs' shards of them, while that worker is there)
+    delivered: bool = False  # a barrier of the run finished: every input's pieces arrived
+    # inputs whose every piece was queued for sending by the worker named (a continued run
+    # sends only the moved outputs' pieces of them, while that worker is there)
     full_by: dict[int, str] = field(default_factory=dict)
     started: float = field(default_factory=time.time)  # when the run was created
 
@@ -85,7 +85,7 @@ class RunRecovery:
     ) -> None:
         """A worker left. A run it assembles outputs for continues without it, its outputs
         moved to the others (see :meth:`_continue_without`), or restarts with a new run id
-        when no other worker of the run is left; a run it only sent shards for goes on
+        when no other worker of the run is left; a run it only sent pieces for goes on
         without it (see :meth:`_go_on_without`)."""
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         dataplanes.pop(worker, None)
@@ -120,9 +120,9 @@ class RunRecovery:
         """An owner left: continue the run without restarting it.
 
         The continued run (a new run id) moves the worker's outputs to the others and keeps
-        everything else: the shards on the other workers, and the outputs they assembled.
+        everything else: the pieces on the other workers, and the outputs they assembled.
         The barrier runs again, and with it every transfer, but a transfer sends only the
-        moved outputs' shards, unless its input's shards may have been lost with the worker
+        moved outputs' pieces, unless its input's pieces may have been lost with the worker
         (see :meth:`_resend_all`). After the barrier passed, dask released the transfers'
         results: they all run again, computing their inputs again. (The barrier itself may
         have been lost with the worker: then it was released already, and the run was left
@@ -131,7 +131,7 @@ class RunRecovery:
         The other workers hear of the continuation before the barrier is released, with
         their outputs that are not finished on the scheduler: outputs among them that the
         worker assembled already, or is assembling (tasks that the release cancels), are kept
-        for the continued run's tasks (their shards are gone).
+        for the continued run's tasks (their pieces are gone).
         """
         tasks = self.scheduler.tasks
         barrier = tasks[barrier_key(shuffle_id)]
@@ -170,7 +170,7 @@ class RunRecovery:
         self.outputs_moved += len(moved)
         logger.warning(
             "Worker %s left rechunk %s: run %d continues as run %d, %d outputs moved, %d "
-            "finished outputs kept, %d of %d inputs send all their shards again",
+            "finished outputs kept, %d of %d inputs send all their pieces again",
             worker,
             shuffle_id,
             new.lineage[-1],
@@ -213,11 +213,11 @@ class RunRecovery:
         self.scheduler.set_restrictions(pins)
 
     def _resend_all(self, run: SchedulerRun, worker: str, barrier: Any) -> frozenset[int]:
-        """The inputs whose shards may have been lost with ``worker``: their transfers send
-        every shard again in the continued run.
+        """The inputs whose pieces may have been lost with ``worker``: their transfers send
+        every piece again in the continued run.
 
-        None once a barrier of the run passed (every shard arrived). Before, an input's
-        shards are safe if a transfer that sent all of them finished on a worker that is
+        None once a barrier of the run passed (every piece arrived). Before, an input's
+        pieces are safe if a transfer that sent all of them finished on a worker that is
         still there (queued sends are delivered by it); every other input's transfer ran on
         the worker that left, or has not finished.
         """
@@ -232,7 +232,7 @@ class RunRecovery:
         lost = set()
         for i in spec.spec.inputs:
             if run.full_by.get(i, worker) != worker:
-                continue  # every shard queued by a worker still there
+                continue  # every piece queued by a worker still there
             run.full_by.pop(i, None)
             chain = chains.get(i, [])
             where = next(
@@ -248,11 +248,11 @@ class RunRecovery:
     def _go_on_without(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> None:
         """A worker that assembles no output of the run left (killed, or retired).
 
-        Before the barrier passed, shards of the transfers it ran may not have been
-        delivered: those transfers run again on other workers (receivers drop shards they
+        Before the barrier passed, pieces of the transfers it ran may not have been
+        delivered: those transfers run again on other workers (receivers drop pieces they
         already hold) and the barrier waits for them; transfers whose results were lost with
         the worker are recomputed by the scheduler anyway. After the barrier passed, every
-        shard was delivered and the run needs nothing of the worker.
+        piece was delivered and the run needs nothing of the worker.
         """
         run.participants.discard(worker)
         run.departed.add(worker)

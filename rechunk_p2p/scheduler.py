@@ -119,7 +119,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         root-task queuing, gives each worker only ``worker-saturation`` times its threads of
         them at a time, the next one a scheduler round trip after one finished. Queuing
         keeps root tasks from making data faster than it is used; a transfer's result is a
-        run id and its shards wait under the engine's own send buffer limit, so queuing only
+        run id and its pieces wait under the engine's own send buffer limit, so queuing only
         adds the round trips. Each such task is therefore restricted to one running worker,
         in priority order, one worker after the other (weighted by threads), up to
         ``scheduler.assign-transfers`` a worker; the restriction is loose (another worker
@@ -228,7 +228,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         return sorted(workers)
 
     def _pin_outputs(self, run: SchedulerRun) -> None:
-        """Restrict each unpack task to the worker that will hold its shards."""
+        """Restrict each unpack task to the worker that will hold its pieces."""
         spec = run.run_spec.spec
         tasks = self.scheduler.tasks
         pins = {}
@@ -251,7 +251,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         """Every input of the run was cut: make every participant flush its sends.
 
         ``run_ids`` are the transfers' results in the order of ``spec.transfers``. Transfers
-        that ran for an older run (they finished while the run was restarted) sent their shards
+        that ran for an older run (they finished while the run was restarted) sent their pieces
         to a run that is gone: they are run again for the current run, and the barrier with
         them. Replies ``{"run_id": ...}``, or ``{"restarted": True}`` when the barrier must be
         rescheduled.
@@ -280,7 +280,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
                 return result
             if isinstance(result, Exception):
                 logger.warning(
-                    "Rechunk %s (run %s) failed to flush its shards on %s: %r",
+                    "Rechunk %s (run %s) failed to flush its pieces on %s: %r",
                     shuffle_id,
                     current,
                     worker,

@@ -88,7 +88,7 @@ class WorkerSettings:
         )
 
     def memory_budget(self, memory_limit: float | None) -> float | None:
-        """Bytes of shards ``storage: auto`` keeps in memory on a worker with
+        """Bytes of pieces ``storage: auto`` keeps in memory on a worker with
         ``memory_limit`` (``storage-memory-fraction`` of it); ``None`` without a limit."""
         return memory_limit * self.storage_memory_fraction if memory_limit else None
 

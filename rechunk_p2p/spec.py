@@ -85,7 +85,7 @@ def widen(slices: Slices, axes: tuple[int, ...]) -> Slices:
     """``slices`` with a whole-axis slice along ``axes`` (axes of unknown chunk sizes).
 
     Along such an axis the plan counts every chunk as one element; the data's real extent is
-    only known to the task that holds it, and a shard always spans its chunk there.
+    only known to the task that holds it, and a piece always spans its chunk there.
 
     >>> widen((slice(0, 1), slice(2, 4)), (0,))
     (slice(None, None, None), slice(2, 4, None))
@@ -118,7 +118,7 @@ class ShuffleSpec:
     unknown_axes
         Axes of unknown (NaN) chunk sizes; chunks are unchanged along them.
     send_buffer_bytes
-        Bytes of this sub-shuffle's shards a worker may hold queued for sending (a memory
+        Bytes of this sub-shuffle's pieces a worker may hold queued for sending (a memory
         budget such as ``rechunk_zarr``'s ``max_mem``), on top of the worker's own
         ``comm.buffer-bytes-limit``; ``None``: that limit alone.
     transfer_groups
@@ -150,10 +150,10 @@ class ShuffleSpec:
 
     @cached_property
     def inputs(self) -> tuple[int, ...]:
-        """Flat indices of the inputs with a shard for one of :attr:`outputs`, ascending."""
+        """Flat indices of the inputs with a piece for one of :attr:`outputs`, ascending."""
         if self.keep is None:
             return tuple(range(self.partial.n_inputs))
-        needed = {i for out in self.keep for i, _ in self.partial.shards_of_output(out)}
+        needed = {i for out in self.keep for i, _ in self.partial.pieces_of_output(out)}
         return tuple(sorted(needed))
 
     @cached_property
@@ -210,15 +210,15 @@ class RunSpec:
         Position (in ``workers``) of the worker of each built output, in the order of
         ``spec.outputs``; ``None``: the balanced blocks above.
     lineage
-        The runs this one continues, oldest first: their shards and their finished outputs
+        The runs this one continues, oldest first: their pieces and their finished outputs
         are kept, and their messages are accepted.
     moved
         Flat indices of the outputs that changed worker in a continuation (cumulative): a
-        continued run's transfers send only their shards, every other shard was delivered
+        continued run's transfers send only their pieces, every other piece was delivered
         (or is queued on a worker still there)...
     resend_all
-        ... but for these inputs, whose earlier shards may have been lost (their transfer
-        ran on the worker that left, or had not finished): their transfers send every shard
+        ... but for these inputs, whose earlier pieces may have been lost (their transfer
+        ran on the worker that left, or had not finished): their transfers send every piece
         again (receivers drop the ones they hold).
     """
 
@@ -277,8 +277,8 @@ class RunSpec:
 
     def send_positions(self, input_: int, flats: np.ndarray) -> np.ndarray:
         """:meth:`owner_positions` of the outputs the transfer of input ``input_`` sends
-        shards of (``flats``: outputs it has shards of), ``-1`` for the others: in a continued
-        run, only the moved outputs' shards, unless the input is in :attr:`resend_all`."""
+        pieces of (``flats``: outputs it has pieces of), ``-1`` for the others: in a continued
+        run, only the moved outputs' pieces, unless the input is in :attr:`resend_all`."""
         positions = self.owner_positions(flats)
         if self.lineage and input_ not in self.resend_all:
             positions[~np.isin(flats, self._moved)] = -1
@@ -302,7 +302,7 @@ class RunSpec:
         """The run that continues this one after ``worker``, an owner, left.
 
         Its outputs move to the other workers, split in contiguous blocks (one per worker, in
-        order); every other output keeps its worker, and with it the shards delivered there
+        order); every other output keeps its worker, and with it the pieces delivered there
         and the outputs finished there. ``resend_all``: see the class.
 
         >>> from rechunk_p2p.planning import make_partials

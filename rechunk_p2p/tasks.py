@@ -53,7 +53,7 @@ def _plugin(worker: Any) -> Any:
 def transfer(
     data: np.ndarray | JoinedBlocks, shuffle_id: ShuffleId, flat: int
 ) -> RunId | LocalInput:
-    """Cut input chunk ``flat`` into shards and send each to the worker of its output chunk.
+    """Cut input chunk ``flat`` into pieces and send each to the worker of its output chunk.
 
     Returns the run id, which the barrier checks for consistency (without distributed
     workers: the chunk itself, as a :class:`LocalInput`).
@@ -90,7 +90,7 @@ def transfer_group(
 def barrier(
     shuffle_id: ShuffleId, *run_ids: RunId | LocalInput, spec: ShuffleSpec | None = None
 ) -> RunId | LocalShuffle:
-    """Wait until every worker delivered every shard of the run; return its run id.
+    """Wait until every worker delivered every piece of the run; return its run id.
 
     Without distributed workers, gather the transfers' :class:`LocalInput` s (``spec``
     describes the sub-shuffle) into a :class:`LocalShuffle` instead.
@@ -104,7 +104,7 @@ def barrier(
 def unpack(
     shuffle_id: ShuffleId, flat: int, run: RunId | LocalShuffle, key: object = None
 ) -> np.ndarray:
-    """Assemble output chunk ``flat`` from the shards buffered on this worker.
+    """Assemble output chunk ``flat`` from the pieces buffered on this worker.
 
     ``run`` is the barrier's result: the run id, or a :class:`LocalShuffle` without
     distributed workers.

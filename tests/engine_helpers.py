@@ -83,7 +83,7 @@ async def check_many(c: Any, s: Any, cases: list[tuple]) -> list[da.Array]:
 
 
 def assert_storage_used(storage: str, *workers: Any) -> None:
-    """The runs of these in-process workers buffered shards where ``storage`` says."""
+    """The runs of these in-process workers buffered pieces where ``storage`` says."""
     from rechunk_p2p.worker.plugin import get_plugin
 
     totals = [get_plugin(w).totals() for w in workers]

@@ -84,7 +84,7 @@ def _phase_of(state: dict, label: str) -> str | None:
     return dict(zip(runs.get("label", []), runs.get("phase", []))).get(label)
 
 
-def _workers_hold_shards(state: dict) -> bool:
+def _workers_hold_pieces(state: dict) -> bool:
     workers = state.get("workers") or {}
     return len(workers.get("address", [])) == 2 and sum(workers.get("bytes_memory", [])) > 0
 
@@ -108,7 +108,7 @@ def test_the_page_shows_a_rechunk_while_it_runs(tmp_path):
             with measure_event_loops(client) as probe:
                 future = client.compute(y.sum())
                 during = _wait_for(browser, _open_rows, 60, "an open run")
-                shards = _wait_for(browser, _workers_hold_shards, 60, "shards on both workers")
+                pieces = _wait_for(browser, _workers_hold_pieces, 60, "pieces on both workers")
                 path = os.environ.get("RECHUNK_P2P_SCREENSHOT") or tmp_path / "page.png"
                 shot = browser.screenshot(path)  # mid-run: the bars of both workers
                 total = future.result(timeout=120)
@@ -121,7 +121,7 @@ def test_the_page_shows_a_rechunk_while_it_runs(tmp_path):
     assert after["cells"][done_row + 1 : done_row + 4] == ["done", "256 / 256", "128 / 128"]
     assert after["runs"]["outputs_text"][after["runs"]["label"].index(label)] == "128 / 128"
     assert during["canvases"] >= 3  # the progress, bytes and lag plots were painted
-    assert sorted(shards["workers"]["address"]) == workers
+    assert sorted(pieces["workers"]["address"]) == workers
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
     # the loops stayed responsive with the page open and refreshing (generous bounds: the
     # browser shares the machine's cores; integration/test_event_loop.py holds the tight ones)

@@ -80,7 +80,7 @@ async def test_eight_workers_made_and_held(c, s, *workers, storage):
 )
 async def test_with_disk_storage_memory_held_stays_within_the_configured_buffers(c, s, a, b):
     """The engine's own statistics: the disk store's write buffer holds at most its size
-    plus one input chunk's shards (the write that fills it), the send queue at most the
+    plus one input chunk's pieces (the write that fills it), the send queue at most the
     run's budget; everything else went to disk."""
     from rechunk_p2p.spec import PLUGIN_NAME
 
@@ -127,7 +127,7 @@ async def test_a_run_budget_bounds_each_workers_send_queue(c, s, a, b, storage):
 )
 async def test_the_send_queue_stays_within_the_workers_buffer(c, s, a, b):
     """What a worker holds for sending never exceeds ``comm.buffer-bytes-limit`` (measured by
-    the engine itself); with disk storage the received shards are on disk, not held."""
+    the engine itself); with disk storage the received pieces are on disk, not held."""
     from rechunk_p2p.spec import PLUGIN_NAME
 
     x = da.random.default_rng(3).random((400, 400), chunks=(10, 400))  # 16 KB per batch
@@ -145,9 +145,9 @@ async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storag
     original = DataPlane.send
     failed: set[tuple] = set()
 
-    async def send_then_lose_ack(self, address, shuffle_id, run_id, shards):
-        await original(self, address, shuffle_id, run_id, shards)
-        ident = (address, tuple((p.outputs, p.inputs) for p in shards))
+    async def send_then_lose_ack(self, address, shuffle_id, run_id, pieces):
+        await original(self, address, shuffle_id, run_id, pieces)
+        ident = (address, tuple((p.outputs, p.inputs) for p in pieces))
         if ident not in failed:
             failed.add(ident)
             raise OSError("injected: ack lost")
@@ -163,7 +163,7 @@ async def test_lost_acks_are_retried_without_duplicating_data(c, s, a, b, storag
 async def test_persistent_comm_failure_fails_the_rechunk_and_cleans_up(c, s, a, b, monkeypatch):
     from rechunk_p2p.transport.dataplane import DataPlane
 
-    async def always_fail(self, address, shuffle_id, run_id, shards):
+    async def always_fail(self, address, shuffle_id, run_id, pieces):
         raise OSError("injected: network down")
 
     monkeypatch.setattr(DataPlane, "send", always_fail)
@@ -419,7 +419,7 @@ async def test_freed_outputs_are_kept_only_while_a_run_is_open_and_reuse_is_on(c
 async def test_outputs_on_kept_pages_are_written_whole(c, s, a, b, storage, source, target):
     """Kept pages are handed out as they are: with the pool full of freed outputs whose
     every byte is 0xFF (NaN), the outputs made on them must still be exactly the input.
-    (Shards of 128 KiB and more: each output gets pages of its own, not a slab.)"""
+    (Pieces of 128 KiB and more: each output gets pages of its own, not a slab.)"""
     from rechunk_p2p.store.pages import OUTPUT_PAGES
 
     x = da.random.default_rng(3).random((512, 512), chunks=source)

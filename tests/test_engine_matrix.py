@@ -307,7 +307,7 @@ async def test_small_partials_are_joined_into_one_run(c, s, a, b):
 )
 async def test_culling_transfers_only_the_inputs_needed(c, s, a, b):
     """Finer than a partial: a slice of the output transfers only the input chunks that hold
-    a piece of it, and sends only the shards it needs (distributed's overlapping case)."""
+    a piece of it, and sends only the pieces it needs (distributed's overlapping case)."""
     arr = np.random.default_rng(0).uniform(size=(10, 10, 5))
     x = da.from_array(arr, chunks=(1, 5, 1))
     y = rechunk_p2p.rechunk(x, (5, 3, -1))
@@ -454,10 +454,10 @@ _TWO_OUTPUTS = 2400 / 2**31
     allow_unclosed=False,
 )
 async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expected):
-    """``auto`` keeps shards in memory only within the budget, and the engine's own
-    statistics show what it held: each worker at most the shards of its own outputs (half
+    """``auto`` keeps pieces in memory only within the budget, and the engine's own
+    statistics show what it held: each worker at most the pieces of its own outputs (half
     the array), within ``storage-memory-fraction`` of its memory limit. Past the budget, the
-    outputs that fit it are still filled in memory and only the others' shards spilled."""
+    outputs that fit it are still filled in memory and only the others' pieces spilled."""
     from rechunk_p2p.worker import tuning as tuning_module
 
     malloc = tuning_module.PROCESS_TUNING.malloc
@@ -473,7 +473,7 @@ async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expe
     finally:
         del malloc.hold
     await assert_clean(s, a, b)
-    # freed memory kept for the run where shards stay in memory, not for a run on disk
+    # freed memory kept for the run where pieces stay in memory, not for a run on disk
     assert bool(holds) == (expected != "disk")
     assert not malloc.held
     totals = [w.plugins[PLUGIN].totals() for w in (a, b)]
@@ -486,7 +486,7 @@ async def test_auto_storage_follows_the_memory_budget(c, s, a, b, fraction, expe
         assert all(h <= fraction * 2 * 2**30 for h in held)
     elif expected == "disk":
         assert spilled == [5 * output] * 2
-    else:  # 2 outputs in memory, the shards of the other 3 spilled
+    else:  # 2 outputs in memory, the pieces of the other 3 spilled
         assert spilled == [3 * output] * 2
 
 
@@ -535,7 +535,7 @@ def _gated(block):
 @gen_cluster(client=True, nthreads=TWO, allow_unclosed=False)
 async def test_outputs_requested_while_the_run_is_on(c, s, a, b):
     """A second computation asks for outputs the first one culled, while the run is active:
-    its unpack tasks were not pinned when the run started, and still find their shards."""
+    its unpack tasks were not pinned when the run started, and still find their pieces."""
     await rechunk_p2p.register(c)
     _GATE.clear()
     arr = np.arange(40 * 40).reshape(40, 40)
@@ -568,7 +568,7 @@ def _tuple_tasks(s):
 )
 async def test_disk_storage_unbuffered(c, s, a, b):
     """``disk-direct-io: true``: the workers' stores write and read their files with
-    O_DIRECT (the engine's own buffers: 64 MiB of write buffer, outputs of 4 KiB shards),
+    O_DIRECT (the engine's own buffers: 64 MiB of write buffer, outputs of 4 KiB pieces),
     and the result is the same."""
     from rechunk_p2p.store import direct
 

@@ -1,6 +1,6 @@
 """The client side imports no worker code: building, planning and routing a rechunk, and the
 scheduler plugin that ``register`` pickles, load neither the worker plugin, its run state, the
-data plane nor the shard buffers (they load on the workers, where tasks need them)."""
+data plane nor the piece buffers (they load on the workers, where tasks need them)."""
 
 from __future__ import annotations
 

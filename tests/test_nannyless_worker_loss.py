@@ -1,4 +1,4 @@
-"""A worker without a nanny (``dask worker --no-nanny``) killed while its shards are spilled.
+"""A worker without a nanny (``dask worker --no-nanny``) killed while its pieces are spilled.
 
 Where it runs: the pytest process, against ``dask scheduler`` / ``dask worker`` processes.
 Nobody restarts such a worker: the rechunk finishes on the others, and the files the dead
@@ -46,7 +46,7 @@ def _spilled(directory: str) -> bool:
 
 
 def _spilling(dirs: dict[str, str], future) -> str | None:
-    """The first worker with spilled shards; raises the rechunk's error if it failed."""
+    """The first worker with spilled pieces; raises the rechunk's error if it failed."""
     if future.done():
         future.result()
     return next((address for address, d in dirs.items() if _spilled(d)), None)
@@ -75,7 +75,7 @@ def test_a_killed_nannyless_worker_leaves_a_correct_result_and_no_files(tmp_path
             with dask.config.set({"rechunk-p2p.storage": "disk"}):
                 y = rechunk_p2p.rechunk(source, WORKLOAD.target_chunks)
             future = client.compute(checked(y, WORKLOAD))
-            victim = _wait(partial(_spilling, dirs, future), "a worker to spill shards")
+            victim = _wait(partial(_spilling, dirs, future), "a worker to spill pieces")
             os.kill(pids[victim], signal.SIGKILL)
             assert bool(future.result(timeout=120)) is True  # finished by the survivor
             del future

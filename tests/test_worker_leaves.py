@@ -2,8 +2,8 @@
 
 A worker that assembles no output of a run (a bystander) leaves without restarting it: only
 the transfers it ran are run again, elsewhere. When a worker that assembles outputs leaves, the
-run continues without it: its outputs move to the others (their shards are sent again), whose
-shards and finished outputs are kept. Nothing is lost either way.
+run continues without it: its outputs move to the others (their pieces are sent again), whose
+pieces and finished outputs are kept. Nothing is lost either way.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ async def test_a_bystander_leaving_does_not_restart_the_rechunk(c, s, *workers, 
     run = await _run_once_active(s)
     (bystander,) = set(run.run_spec.workers) - run.owners
     worker = next(w for w in workers if w.address == bystander)
-    worker.plugins[PLUGIN].dataplane.send = _never  # injected: its shards never arrive
+    worker.plugins[PLUGIN].dataplane.send = _never  # injected: its pieces never arrive
     while not worker.state.executed_count:
-        await asyncio.sleep(0.005)  # it ran transfers, whose shards are stuck on it
-    if how == "retire":  # its transfers' results move to other workers, its shards do not
+        await asyncio.sleep(0.005)  # it ran transfers, whose pieces are stuck on it
+    if how == "retire":  # its transfers' results move to other workers, its pieces do not
         await c.retire_workers([bystander], close_workers=True)
     else:  # its results and queued sends are simply gone
         await worker.close()

@@ -41,7 +41,7 @@ def _slow_fill(shape, dtype, block_info=None):
 
 def _slow_check_input(block):
     # stretch the unpack phase the same way: an unpack task only hands over an output the
-    # memory store filled as shards came, so without this the 24 outputs are done within
+    # memory store filled as pieces came, so without this the 24 outputs are done within
     # the ~0.1 s it takes to see the barrier finish and kill (and no run is left to continue)
     time.sleep(0.05)
     return block

@@ -237,7 +237,7 @@ async def test_errors_past_the_retry_count_fail_the_barrier_naming_the_peer(seam
             # a transfer that starts after its worker's buffer failed raises the failure
             outcomes = await transfer_all(plugins, return_exceptions=True)
             assert all(o == 1 or isinstance(o, RechunkCommError) for o in outcomes), outcomes
-            with pytest.raises(RechunkCommError, match=r"cannot deliver shards .* at dp-"):
+            with pytest.raises(RechunkCommError, match=r"cannot deliver pieces .* at dp-"):
                 await barrier(plugins[0], [1] * ROWS)
             assert max(network.attempts.values()) == 3  # the first try and two retries
 
@@ -249,13 +249,13 @@ async def test_duplicate_deliveries_are_dropped(seam, tmp_path):
         await transfer_all(plugins)
         await barrier(plugins[0], [1] * ROWS)
         await assert_outputs(plugins)
-        # each worker receives 4 shards (the other worker's rows) for each of its 2 outputs
+        # each worker receives 4 pieces (the other worker's rows) for each of its 2 outputs
         duplicates = [p.runs[SHUFFLE]._store.statistics().duplicates for p in plugins]
         assert duplicates == [8, 8]
 
 
 @gen_test()
-async def test_shards_sent_to_the_wrong_worker_are_refused(seam, tmp_path):
+async def test_pieces_sent_to_the_wrong_worker_are_refused(seam, tmp_path):
     async with seam() as (_, network, plugins):
         network.misroute = {"dp-b": "dp-a"}  # a stale or wrong address of b's data plane
         # the refusal fails a's send buffer: a later transfer on b or the barrier raises it
@@ -272,7 +272,7 @@ async def test_shards_sent_to_the_wrong_worker_are_refused(seam, tmp_path):
 
 
 @gen_test()
-async def test_shards_of_a_newer_run_open_it_and_of_an_older_run_are_refused(seam, tmp_path):
+async def test_pieces_of_a_newer_run_open_it_and_of_an_older_run_are_refused(seam, tmp_path):
     async with seam() as (scheduler, _, plugins):
         a, b = plugins
         first = await asyncio.to_thread(a.get_run_blocking, SHUFFLE)
@@ -284,7 +284,7 @@ async def test_shards_of_a_newer_run_open_it_and_of_an_older_run_are_refused(sea
         assert a.runs[SHUFFLE].run_id == 2
         assert a.runs[SHUFFLE].statistics().bytes_received > 0
         assert first.statistics().phase == "closed"
-        with pytest.raises(StaleRunError, match=r"Shards for run 1 .* runs run 2"):
+        with pytest.raises(StaleRunError, match=r"Pieces for run 1 .* runs run 2"):
             await a.receive(SHUFFLE, 1, [])
 
 
@@ -371,7 +371,7 @@ async def test_a_continued_run_rebuilds_only_the_moved_outputs(seam, tmp_path):
         before = sum(p.runs[SHUFFLE].statistics().bytes_received for p in (a, b))
         a._continue_handler(SHUFFLE, scheduler.run_spec, [])  # b has not heard of it yet
         assert a.runs[SHUFFLE].run_id == 2
-        # a's transfers send only the moved outputs' shards (staged: tiny ones go at a's
+        # a's transfers send only the moved outputs' pieces (staged: tiny ones go at a's
         # part of the barrier); b learns of run 2 from them
         assert await transfer_all([a]) == [2] * ROWS
         await barrier_flush(a, 2)
@@ -383,10 +383,10 @@ async def test_a_continued_run_rebuilds_only_the_moved_outputs(seam, tmp_path):
             np.testing.assert_array_equal(await unpack(owner, flat, 2), expected_output(flat, SIX))
         moved = sorted(scheduler.run_spec.moved)
         assert moved == [flat for flat in range(SIX) if first.worker_for(flat) == "c"]
-        # what crossed again: every row's shard of b's share of the moved outputs
+        # what crossed again: every row's piece of b's share of the moved outputs
         resent = sum(p.runs[SHUFFLE].statistics().bytes_received for p in (a, b)) - before
         to_b = [f for f in moved if scheduler.run_spec.worker_for(f) == "b"]
-        assert to_b and resent == len(to_b) * ROWS * 2 * 8  # 1 x 2 float64 shards
+        assert to_b and resent == len(to_b) * ROWS * 2 * 8  # 1 x 2 float64 pieces
 
 
 @gen_test()
@@ -398,7 +398,7 @@ async def test_outputs_assembled_before_a_continuation_are_kept_for_it(seam, tmp
         done = await unpack(a, a_outputs[0])  # finished; its task is released by the scheduler
         run = a.runs[SHUFFLE]
         entered, release = threading.Event(), threading.Event()
-        read = run._store.take_output_blocking  # the memory store fills outputs as shards come
+        read = run._store.take_output_blocking  # the memory store fills outputs as pieces come
 
         def blocked_read(*args):
             entered.set()
@@ -425,14 +425,14 @@ async def test_outputs_assembled_before_a_continuation_are_kept_for_it(seam, tmp
 
 
 @gen_test()
-async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_shards_resent(
+async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_pieces_resent(
     seam, tmp_path
 ):
     def c_is_gone(sender: str, address: str, attempt: int) -> None:
         if address == "dp-c":
             raise ConnectionRefusedError("injected: c was killed")
 
-    # every input's shards are sent at once (not staged until a message's worth is there)
+    # every input's pieces are sent at once (not staged until a message's worth is there)
     with fast_retries(1), dask.config.set({"rechunk-p2p.comm.message-bytes-limit": 1}):
         async with seam(workers=THREE_WORKERS, columns=SIX) as (scheduler, network, plugins):
             network.fail = c_is_gone
@@ -442,7 +442,7 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
             while any(p.runs[SHUFFLE]._comm.phase.value != "failed" for p in (a, b)):
                 await asyncio.sleep(0.01)
             survivors = await leave(scheduler, network, plugins, "c")
-            # the scheduler: inputs c cut may have lost shards: they are sent again in full;
+            # the scheduler: inputs c cut may have lost pieces: they are sent again in full;
             # the others only for c's outputs, which moved
             lost = frozenset(range(2, ROWS, 3))
             scheduler.run_spec = dataclasses.replace(scheduler.run_spec, resend_all=lost)
@@ -462,9 +462,9 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
                 out = await unpack(by_address[spec.worker_for(flat)], flat, 2)
                 np.testing.assert_array_equal(out, expected_output(flat, SIX))
 
-            # what crossed again: shards of moved outputs (new to their owners), and the other
-            # shards of c's inputs (c had delivered them: dropped as duplicates); new bytes
-            # crossed where the survivor that cut a shard does not own it
+            # what crossed again: pieces of moved outputs (new to their owners), and the other
+            # pieces of c's inputs (c had delivered them: dropped as duplicates); new bytes
+            # crossed where the survivor that cut a piece does not own it
             def crossing(i: int, flat: int) -> bool:
                 return spec.worker_for(flat) != survivors[i % 2].worker.address
 
@@ -472,7 +472,7 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_sha
             moved = [(i, f) for i in range(ROWS) for f in spec.moved if crossing(i, f)]
             again = [(i, f) for i in lost for f in range(SIX) if f not in spec.moved]
             duplicates = sum(p.runs[SHUFFLE]._store.statistics().duplicates for p in survivors)
-            assert resent - before == 16 * len(moved)  # 1 x 2 float64 shards
+            assert resent - before == 16 * len(moved)  # 1 x 2 float64 pieces
             assert duplicates == len(again) > 0  # received or stored by their cutter
 
 

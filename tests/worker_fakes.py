@@ -1,6 +1,6 @@
 """A worker-side seam: fake scheduler, data planes and workers around real worker plugins.
 
-The plugins, runs, comm buffers and shard stores under test are the real ones; what they talk
+The plugins, runs, comm buffers and piece stores under test are the real ones; what they talk
 to is in-process and scripted, so races (a close overtaking a reply, a send failing, a batch
 delivered twice) happen in the order a test chooses, on one event loop. Task-thread entry
 points (``*_blocking``) are called from threads with ``asyncio.to_thread``, as a worker's task

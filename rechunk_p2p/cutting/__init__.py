@@ -1,4 +1,4 @@
-"""Cutting input chunks into shards, grouped by the worker each goes to.
+"""Cutting input chunks into pieces, grouped by the worker each goes to.
 
 Where it runs: task threads. :mod:`~rechunk_p2p.cutting.cutter` cuts one run's inputs,
 :mod:`~rechunk_p2p.cutting.regular` cuts a regular chunk in one strided copy,

@@ -1,4 +1,4 @@
-"""Cutting an input chunk into shards, grouped by the worker each goes to.
+"""Cutting an input chunk into pieces, grouped by the worker each goes to.
 
 Where it runs: task threads (a transfer task's cut, for :class:`~rechunk_p2p.worker.run.
 WorkerRun`); the destinations cache is shared by a run's threads under a lock.
@@ -15,7 +15,7 @@ import numpy as np
 from rechunk_p2p.cutting.joined import JoinedBlocks
 from rechunk_p2p.cutting.regular import cut_regular_blocking
 from rechunk_p2p.spec import RunSpec
-from rechunk_p2p.transport.wire import Packed, Shard, pack_blocking, pack_blocks
+from rechunk_p2p.transport.wire import Packed, Piece, pack_blocking, pack_blocks
 
 
 def position_in(run_spec: RunSpec, address: str) -> int:
@@ -26,13 +26,13 @@ def position_in(run_spec: RunSpec, address: str) -> int:
 
 
 class InputCutter:
-    """**Thread-safe.** Cuts one run's input chunks on one worker: the shards that stay
+    """**Thread-safe.** Cuts one run's input chunks on one worker: the pieces that stay
     here, and one batch per other worker.
 
     ``storage`` and ``assembles`` say what the run's store keeps of this worker's own
-    shards: a store that copies shards into their outputs as they come (``assembles``)
+    pieces: a store that copies pieces into their outputs as they come (``assembles``)
     takes views of the cut; any other store keeps what it is given, so it gets copies (the
-    memory store as a list of shards, the others as one batch).
+    memory store as a list of pieces, the others as one batch).
     """
 
     def __init__(self, worker_address: str, storage: str, assembles: bool) -> None:
@@ -49,17 +49,17 @@ class InputCutter:
         flat: int,
         data: np.ndarray | JoinedBlocks,
         scratch: np.ndarray | None = None,
-    ) -> tuple[Packed | list[Shard], dict[str, Packed]]:
-        """The shards of input ``flat`` that stay here, and one batch per other worker.
+    ) -> tuple[Packed | list[Piece], dict[str, Packed]]:
+        """The pieces of input ``flat`` that stay here, and one batch per other worker.
 
         Regular cuts (pieces of one length along each axis, the usual case) are done for the
-        whole chunk at once: one strided copy lays every shard out contiguously, grouped by
+        whole chunk at once: one strided copy lays every piece out contiguously, grouped by
         destination, and each batch's payload is a view of that copy. Other cuts are copied
-        shard by shard.
+        piece by piece.
 
         With ``scratch`` (a buffer of :class:`CutBuffers`, used again once this input's
         batches are delivered) the strided copy goes there, and the other workers' batches
-        view it; this worker's shards are copied out of it for a store that keeps what it
+        view it; this worker's pieces are copied out of it for a store that keeps what it
         is given (the assembling store copies them into their outputs at once).
         """
         spec = run_spec.spec
@@ -73,7 +73,7 @@ class InputCutter:
             data = np.asarray(data)
             positions = run_spec.send_positions(flat, outputs)
             return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
-        local: list[Shard] = []
+        local: list[Piece] = []
         here: Packed | None = None
         remote: dict[str, Packed] = {}
         for position, chosen in self._destinations(run_spec, flat, outputs):
@@ -96,10 +96,10 @@ class InputCutter:
     def _destinations(
         self, run_spec: RunSpec, flat: int, outputs: np.ndarray
     ) -> list[tuple[int, np.ndarray]]:
-        """Per worker position that input ``flat`` sends shards to, the positions among
-        ``outputs`` of those shards: the same for every input cut alike in a run that
+        """Per worker position that input ``flat`` sends pieces to, the positions among
+        ``outputs`` of those pieces: the same for every input cut alike in a run that
         continues none (computed once per cut then; ``outputs`` is the partial's shared
-        array), else per input (a continued run sends only some inputs' shards)."""
+        array), else per input (a continued run sends only some inputs' pieces)."""
         key = (id(outputs), run_spec.run_id)
         if not run_spec.lineage:
             with self._lock:
@@ -125,11 +125,11 @@ class InputCutter:
         slices: list[list[slice]],
         positions: np.ndarray,
         me: int,
-    ) -> tuple[list[Shard], dict[str, Packed]]:
-        """:meth:`cut_blocking` shard by shard (irregular cuts, object dtype)."""
+    ) -> tuple[list[Piece], dict[str, Packed]]:
+        """:meth:`cut_blocking` piece by piece (irregular cuts, object dtype)."""
         copy_local = self.storage == "memory" and not self._assembles
-        local: list[Shard] = []
-        remote: defaultdict[str, list[Shard]] = defaultdict(list)
+        local: list[Piece] = []
+        remote: defaultdict[str, list[Piece]] = defaultdict(list)
         for out, position, piece in zip(
             outputs.tolist(), positions.tolist(), itertools.product(*slices)
         ):
@@ -143,4 +143,4 @@ class InputCutter:
             else:
                 remote[run_spec.dataplanes[position]].append((out, flat, view))
         dtype = run_spec.spec.dtype
-        return local, {addr: pack_blocking(shards, dtype) for addr, shards in remote.items()}
+        return local, {addr: pack_blocking(pieces, dtype) for addr, pieces in remote.items()}

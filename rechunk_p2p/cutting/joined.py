@@ -4,7 +4,7 @@ Where it runs: task threads (numpy copies only).
 
 A transfer task that makes several neighbouring input chunks (see
 :mod:`rechunk_p2p.planning.groups`) hands them over as :class:`JoinedBlocks`. A regular cut
-copies each block straight to its place among the shards (:func:`copy_cut_blocking`): one copy
+copies each block straight to its place among the pieces (:func:`copy_cut_blocking`): one copy
 of every byte, where joining the blocks into one array first and cutting that would be two.
 Anything else reads the blocks joined (``np.asarray``).
 """
@@ -80,7 +80,7 @@ class JoinedBlocks:
 def copy_cut_blocking(
     joined: JoinedBlocks, dest: np.ndarray, counts: list[int], lengths: list[int]
 ) -> bool:
-    """Copy ``joined`` into ``dest``, the shards of a regular cut laid out as
+    """Copy ``joined`` into ``dest``, the pieces of a regular cut laid out as
     ``(*counts, *lengths)`` (piece index per axis, then position within the piece), block by
     block. ``False``, having copied nothing, when some block neither lies within one piece
     nor covers whole pieces along an axis, or has a dtype other than the joined block's."""

@@ -18,11 +18,11 @@ def cut_regular_blocking(
     out: np.ndarray | None = None,
     lengths: list[int | None] | None = None,
 ) -> np.ndarray | None:
-    """All shards of ``data`` in one copy, when its cuts are regular; else ``None``.
+    """All pieces of ``data`` in one copy, when its cuts are regular; else ``None``.
 
     ``slices[axis]`` are the pieces of ``data`` along ``axis`` (contiguous, covering it). When
-    the pieces along every axis have one length, the shards are the blocks of a reshape:
-    the result has shape ``(n_shards, *shard_shape)``, shards in C order of the pieces, each
+    the pieces along every axis have one length, they are the blocks of a reshape:
+    the result has shape ``(n_pieces, *piece_shape)``, in C order, each
     C-contiguous, made by one strided copy instead of one copy (and one Python call) each,
     in ``dtype`` (default: ``data``'s; only a byte-order change is allowed). Chunks a
     transfer task made and did not join (:class:`JoinedBlocks`) are copied block by block.

@@ -119,7 +119,7 @@ class RechunkPage:
         self.progress.xaxis.formatter = NumeralTickFormatter(format="0%")
         self.bytes = _per_worker(
             figure,
-            "Per worker: shards received and held, in memory and on disk",
+            "Per worker: pieces received and held, in memory and on disk",
             "rechunk-p2p-worker-bytes",
             [
                 ("sent", "@sent_text"),

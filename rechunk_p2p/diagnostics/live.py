@@ -6,7 +6,7 @@ each ran. The numbers travel as one of the worker's custom metrics (``Worker.met
 distributed's public hook), which the worker awaits when it sends a heartbeat, so they reach
 the scheduler with no message of their own: the loop summarises its lag (200 samples) and
 :func:`heartbeat_blocking` reads the runs' counters in the ``rechunk-p2p-heartbeat`` thread,
-since those take the locks that shard writes hold (the loop must never wait on them).
+since those take the locks that piece writes hold (the loop must never wait on them).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def heartbeat_blocking(plugin: Any, lag: dict[str, float]) -> dict[str, Any]:
 
 
 def _memory_budget(worker: Any) -> int:
-    """The bytes of shards the worker keeps in memory before storage ``auto`` spills:
+    """The bytes of pieces the worker keeps in memory before storage ``auto`` spills:
     ``storage-memory-fraction`` of its memory limit (0: no limit)."""
     from rechunk_p2p.settings import WorkerSettings
 

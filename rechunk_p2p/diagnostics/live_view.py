@@ -45,8 +45,8 @@ class FinishedRun:
 class RunRow:
     """**Immutable.** One run on the dashboard: its phase, progress and bytes.
 
-    ``phase``: ``transfers`` (shards being cut and sent), ``assembling`` (the barrier passed:
-    every shard arrived, outputs being assembled), ``done``, or why it stopped otherwise.
+    ``phase``: ``transfers`` (pieces being cut and sent), ``assembling`` (the barrier passed:
+    every piece arrived, outputs being assembled), ``done``, or why it stopped otherwise.
     Bytes are summed over the workers' last heartbeats.
     """
 

@@ -100,13 +100,13 @@ class _EngineCollector:
         byte_counters = {
             name: CounterMetricFamily(f"rechunk_p2p_{name}", help_text, labels=label)
             for name, help_text in (
-                ("bytes_sent", "Shard bytes sent to other workers"),
-                ("bytes_received", "Shard bytes received from other workers"),
-                ("bytes_spilled", "Shard bytes written to the worker's local disk"),
+                ("bytes_sent", "Piece bytes sent to other workers"),
+                ("bytes_received", "Piece bytes received from other workers"),
+                ("bytes_spilled", "Piece bytes written to the worker's local disk"),
             )
         }
         messages = CounterMetricFamily(
-            "rechunk_p2p_messages_sent", "Batches of shards sent to other workers", labels=label
+            "rechunk_p2p_messages_sent", "Batches of pieces sent to other workers", labels=label
         )
         phases = CounterMetricFamily(
             "rechunk_p2p_phase_seconds",
@@ -120,7 +120,7 @@ class _EngineCollector:
         )
         queued_now = GaugeMetricFamily(
             "rechunk_p2p_bytes_queued",
-            "Shard bytes waiting to be sent now (against comm.buffer-bytes-limit)",
+            "Piece bytes waiting to be sent now (against comm.buffer-bytes-limit)",
             labels=label,
         )
         lag = HistogramMetricFamily(

@@ -117,7 +117,7 @@ class DatasetRechunkPlan:
     @property
     def n_pieces(self) -> int:
         """Pieces the shuffles cut (one input chunk's part of one output chunk)."""
-        return sum(p.n_shards for p in self.plans.values())
+        return sum(p.n_pieces for p in self.plans.values())
 
     def rows(self) -> list[tuple[str, str]]:
         total = (

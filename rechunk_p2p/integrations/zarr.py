@@ -116,7 +116,7 @@ def rechunk_zarr(
         run's; the chunks it completed are kept, the others are written (only the source
         chunks that feed them are read).
     storage : {"disk", "memory", "auto"}, optional
-        Where workers buffer shards (``rechunk-p2p.storage``); by default the config.
+        Where workers keep the pieces they receive (``rechunk-p2p.storage``); by default the config.
     progress : bool
         Show distributed's progress bar on stderr while the cluster works, when stderr is a
         terminal.
@@ -129,9 +129,9 @@ def rechunk_zarr(
         Run now and return the report (default), or return a :class:`ZarrRechunk` to
         inspect (``.plan``) and run later (``.execute()``), as rechunker's ``rechunk`` does.
     max_mem : int or str, optional
-        Memory budget per worker, as rechunker's ``max_mem`` (``"2GB"``): shards wait in
+        Memory budget per worker, as rechunker's ``max_mem`` (``"2GB"``): pieces wait in
         memory only if a worker's share of them fits in it (else on local disk), and a
-        worker holds at most half of it in shards queued for sending
+        worker holds at most half of it in pieces queued for sending
         (``rechunk-p2p.comm.run-buffer-bytes``), and a transfer task joins input chunks of at
         most an eighth of it (``rechunk-p2p.transfer-group-bytes``). Default: decide by the
         workers' memory limits (``rechunk-p2p.storage: auto``).
@@ -392,7 +392,7 @@ def _storage_within(max_mem: int | None, plans: Mapping[str, Any], client: Any) 
 
 
 def _budget_settings(max_mem: int | None) -> dict[str, Any]:
-    """The engine settings of a ``max_mem`` budget: half of it for shards queued to send,
+    """The engine settings of a ``max_mem`` budget: half of it for pieces queued to send,
     and at most an eighth of it for the input chunks a transfer task joins (it holds two to
     three times that while it cuts them)."""
     if max_mem is None:
@@ -417,7 +417,7 @@ def source_arrays(
 
     ``storage`` is set around graph construction; ``limit`` (a ``max_mem`` budget) is the
     rechunk's ``block_size_limit``, and half of it bounds each worker's queue of the
-    rechunk's shards waiting to be sent.
+    rechunk's pieces waiting to be sent.
     """
     settings = _budget_settings(limit)
     if storage:

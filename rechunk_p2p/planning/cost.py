@@ -6,7 +6,7 @@ A P2P rechunk pays three kinds of cost, whatever engine runs it:
 
 - **per task**: distributed's own work for each task (the scheduler's transitions and
   messages, the worker's bookkeeping around the task thread);
-- **per piece** (an input chunk's part of an output chunk, a *shard* inside the engine):
+- **per piece** (an input chunk's part of an output chunk):
   cutting it, its header, placing it; and the scheduler ordering the graph before anything
   runs, which for a sub-shuffle takes time in proportion to its transfer tasks times its
   output chunks (``dask.order`` walks every output for every root of the graph, and a

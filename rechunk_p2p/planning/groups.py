@@ -5,7 +5,7 @@ Where it runs: pure (no asyncio, no distributed).
 When an array's chunks are computed from nothing or from a few shared values (generated data,
 a zarr store's array), its transfer tasks can make them themselves: then a transfer task may
 make several neighbouring chunks, join them and cut the joined block, so that the rechunk has
-fewer tasks and fewer, larger shards, while still no chunk travels before the shuffle.
+fewer tasks and fewer, larger pieces, while still no chunk travels before the shuffle.
 
 Chunks are joined only along an axis where an output chunk spans several input chunks, and a
 joined block never holds an output chunk boundary there: the boundaries that the input and

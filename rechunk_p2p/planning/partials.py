@@ -1,11 +1,11 @@
-"""N-dimensional sub-shuffles (partials) and the shards that flow through them.
+"""N-dimensional sub-shuffles (partials) and the pieces that flow through them.
 
 Where it runs: pure (no asyncio, no distributed); used on the client to build the graph and in
-task threads to cut input chunks into shards and to assemble output chunks.
+task threads to cut input chunks into pieces and to assemble output chunks.
 
 A partial is the product of one :class:`~rechunk_p2p.planning.axes.AxisGroup` per axis: its
 input chunks send data only to its output chunks. Inside a partial, chunks are addressed by
-*flat* indices (C order over the partial's chunk grid); a shard is the intersection of one
+*flat* indices (C order over the partial's chunk grid); a piece is the intersection of one
 input chunk with one output chunk, named by the pair of flat indices.
 """
 
@@ -72,7 +72,7 @@ class Partial:
         return math.prod(self.new_grid)
 
     @property
-    def n_shards(self) -> int:
+    def n_pieces(self) -> int:
         """Number of non-empty (input chunk, output chunk) intersections."""
         return math.prod(len(p) for p in self._pieces)
 
@@ -220,7 +220,7 @@ class Partial:
             for by_new in self._by_new
         )
 
-    def shards_of_input(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
+    def pieces_of_input(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
         """Cut input chunk ``flat``: yield (flat output index, slices of the input chunk)."""
         local = _unravel(flat, self.old_grid)
         cuts = [by_old.get(i, ([], [])) for by_old, i in zip(self._cuts_by_old, local)]
@@ -293,7 +293,7 @@ class Partial:
             flat = np.add.outer(flat, np.asarray(chosen, dtype=np.int64) * stride)
         return flat.ravel()
 
-    def shards_of_output(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
+    def pieces_of_output(self, flat: int) -> Iterator[tuple[int, tuple[slice, ...]]]:
         """Pieces of output chunk ``flat``: yield (flat input index, slices of the output chunk)."""
         local = _unravel(flat, self.new_grid)
         cuts = [by_new.get(i, ([], [])) for by_new, i in zip(self._cuts_by_new, local)]
@@ -303,7 +303,7 @@ class Partial:
     def _new_classes(self) -> tuple[dict[int, int], ...]:
         """Per axis: new chunk index -> the first new chunk index cut from the same old
         chunks at the same places of the new chunk (outputs alike on every axis have
-        their shards from the same inputs, at the same places)."""
+        their pieces from the same inputs, at the same places)."""
         classes = []
         for by_new in self._cuts_by_new:
             first: dict[tuple, int] = {}
@@ -321,8 +321,8 @@ class Partial:
         return {}
 
     def output_placement(self, flat: int) -> dict[int, tuple[slice, ...]]:
-        """Where the shards of output chunk ``flat`` lie in it: ``{flat input index: slices of
-        the output chunk}``, as :meth:`shards_of_output` yields them.
+        """Where the pieces of output chunk ``flat`` lie in it: ``{flat input index: slices of
+        the output chunk}``, as :meth:`pieces_of_output` yields them.
 
         Outputs alike on every axis share one mapping (all the time series of maps to time
         series, all the column blocks of row blocks to column blocks): do not modify it.
@@ -337,12 +337,12 @@ class Partial:
         key = tuple(c.get(i, -1) for c, i in zip(self._new_classes, local))
         placement = self._placements.get(key)
         if placement is None:  # (two threads may both build it: the same mapping)
-            placement = self._placements.setdefault(key, dict(self.shards_of_output(flat)))
+            placement = self._placements.setdefault(key, dict(self.pieces_of_output(flat)))
         return placement
 
     def stacked_inputs(self, flat: int) -> list[int] | None:
-        """The inputs of output chunk ``flat`` in the order their shards lie one after another
-        in the output's memory (C order), when they do; ``None`` when a shard is a strided
+        """The inputs of output chunk ``flat`` in the order their pieces lie one after another
+        in the output's memory (C order), when they do; ``None`` when a piece is a strided
         region of the output.
 
         They do when the output is cut along one axis only and has extent 1 along every
@@ -377,7 +377,7 @@ def _pair_up(
 ) -> Iterator[tuple[int, tuple[slice, ...]]]:
     """(flat index, slices) for every combination of one cut per axis, in C order.
 
-    Flat indices are computed for all combinations at once: this runs once per shard of a
+    Flat indices are computed for all combinations at once: this runs once per piece of a
     rechunk, so it avoids a Python-level loop per combination.
     """
     if not cuts:

@@ -134,7 +134,7 @@ class RechunkPlan:
     Counts are exact; byte figures for the cluster (``bytes_moved``,
     ``per_worker_buffer_bytes``) are estimates for ``n_workers`` workers with inputs spread
     evenly over them. Object arrays are counted at 8 bytes an element.
-    ``send_buffer_bytes`` is the rechunk's own bound on the shards a worker holds queued for
+    ``send_buffer_bytes`` is the rechunk's own bound on the pieces a worker holds queued for
     sending (``rechunk-p2p.comm.run-buffer-bytes``; ``None``: the worker's limit alone).
     ``partial_bytes``: independent sub-shuffles smaller than this are joined with their
     neighbours (``rechunk-p2p.partial-bytes``; 0: never; see :func:`make_partials`), but not
@@ -142,7 +142,7 @@ class RechunkPlan:
     0: no limit).
     ``groups``: per axis, how many neighbouring input chunks each transfer task makes and
     cuts together (see :mod:`rechunk_p2p.planning.groups`); ``None``: one each. The shuffle's
-    inputs (``input_chunks``, which partials and shards count) are then those groups.
+    inputs (``input_chunks``, which partials and pieces count) are then those groups.
     ``held_transfers``: the transfer tasks of the shuffled partials where chunks held on one
     worker share them (:mod:`rechunk_p2p.holders`); ``None``: one per input. ``held_tasks``:
     the tasks that mark the chunks of those shared transfers (``rechunk_p2p.tasks.held``).
@@ -226,7 +226,7 @@ class RechunkPlan:
         return math.prod(len(c) for c in self.input_chunks)
 
     @cached_property
-    def n_shards(self) -> int:
+    def n_pieces(self) -> int:
         """Non-empty intersections of a (joined) input chunk with an output chunk."""
         return math.prod(len(axis_pieces(o, n)) for o, n in zip(self.input_chunks, self.new_chunks))
 
@@ -312,7 +312,7 @@ class RechunkPlan:
             *rows,
             (
                 "chunk count",
-                f"{self.n_input_chunks} -> {self.n_output_chunks} ({self.n_shards} pieces)",
+                f"{self.n_input_chunks} -> {self.n_output_chunks} ({self.n_pieces} pieces)",
             ),
             *self._group_rows(),
             *self._piece_rows(),
@@ -334,7 +334,7 @@ class RechunkPlan:
     @property
     def cost(self) -> CostEstimate:
         """Estimated seconds by kind of cost (see :mod:`rechunk_p2p.planning.cost`)."""
-        return estimate(self.n_tasks, self.n_shards, self.bytes_shuffled, self.n_ordered)
+        return estimate(self.n_tasks, self.n_pieces, self.bytes_shuffled, self.n_ordered)
 
     @property
     def n_ordered(self) -> int:
@@ -351,24 +351,24 @@ class RechunkPlan:
     def warning(self) -> str | None:
         """One line when per-piece cost dominates the estimate, naming what helps."""
         cost = self.cost
-        if cost.dominant != "pieces" or self.n_shards == 0:
+        if cost.dominant != "pieces" or self.n_pieces == 0:
             return None
-        size = format_bytes(self.bytes_shuffled // self.n_shards)
+        size = format_bytes(self.bytes_shuffled // self.n_pieces)
         return (
-            f"per-piece cost dominates ({self.n_shards:,} pieces of {size} on average): "
+            f"per-piece cost dominates ({self.n_pieces:,} pieces of {size} on average): "
             f"{piece_advice(self.input_chunks, self.new_chunks)} make fewer, larger pieces"
         )
 
     def _piece_rows(self) -> list[tuple[str, str]]:
-        if not self.n_shards:
+        if not self.n_pieces:
             return []
         cost = self.cost
-        per_output = self.n_shards / max(self.n_output_chunks, 1)
+        per_output = self.n_pieces / max(self.n_output_chunks, 1)
         rows = [
             (
                 "pieces",
                 f"{per_output:,.0f} per output chunk, "
-                f"{format_bytes(self.bytes_shuffled // self.n_shards)} each on average",
+                f"{format_bytes(self.bytes_shuffled // self.n_pieces)} each on average",
             ),
             (
                 "cost",

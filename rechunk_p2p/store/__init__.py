@@ -1,4 +1,4 @@
-"""Buffers of a P2P rechunk: thread-safe stores where received shards wait for assembly.
+"""Buffers of a P2P rechunk: thread-safe stores where received pieces wait for assembly.
 
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 :mod:`~rechunk_p2p.store.base` holds the interface and the helpers both stores share, each
@@ -14,17 +14,17 @@ import numpy as np
 from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.planning import Partial
 from rechunk_p2p.store.assembling import AssemblingMemoryStore
-from rechunk_p2p.store.base import STORE_KINDS, Shard, ShardStore, StoreKind, StoreStatistics
-from rechunk_p2p.store.disk import DiskShardStore
-from rechunk_p2p.store.memory import MemoryShardStore
+from rechunk_p2p.store.base import STORE_KINDS, Piece, PieceStore, StoreKind, StoreStatistics
+from rechunk_p2p.store.disk import DiskPieceStore
+from rechunk_p2p.store.memory import MemoryPieceStore
 from rechunk_p2p.store.split import SplitStore
 
 __all__ = [
     "AssemblingMemoryStore",
-    "DiskShardStore",
-    "MemoryShardStore",
-    "Shard",
-    "ShardStore",
+    "DiskPieceStore",
+    "MemoryPieceStore",
+    "Piece",
+    "PieceStore",
     "SplitStore",
     "StoreStatistics",
     "make_store",
@@ -41,18 +41,18 @@ def make_store(
     direct_io: bool | None = None,
     partial: Partial | None = None,
     in_memory: np.ndarray | None = None,
-) -> ShardStore | AssemblingMemoryStore | SplitStore:
-    """Create an empty shard store.
+) -> PieceStore | AssemblingMemoryStore | SplitStore:
+    """Create an empty piece store.
 
     Parameters
     ----------
     kind
-        ``"disk"`` to spill shards to local disk, ``"memory"`` to keep them in memory, or
+        ``"disk"`` to spill pieces to local disk, ``"memory"`` to keep them in memory, or
         ``"memory+disk"`` to assemble the outputs ``in_memory`` in memory and spill the
         others (:class:`SplitStore`). ``"auto"`` must be resolved by the caller before this
         point.
     dtype
-        The dtype of every shard written to the store.
+        The dtype of every piece written to the store.
     directory
         For ``"disk"``: the parent directory under which a sub-directory named after
         ``name`` is created on the first write (``None``: the system temporary directory).
@@ -61,16 +61,16 @@ def make_store(
         Names the store in error messages (and its directory); for example the rechunk's
         id, run id and sub-shuffle.
     buffer_bytes
-        For ``"disk"``: bytes of shards gathered before a write (see
-        :class:`DiskShardStore`). Ignored for ``"memory"``.
+        For ``"disk"``: bytes of pieces gathered before a write (see
+        :class:`DiskPieceStore`). Ignored for ``"memory"``.
     direct_io
         For ``"disk"``: whether the data file bypasses the page cache (``None``: decided by
-        the store's first write; see :class:`DiskShardStore`). Ignored for ``"memory"``.
+        the store's first write; see :class:`DiskPieceStore`). Ignored for ``"memory"``.
     partial
         For ``"memory"``: the sub-shuffle, whose output shapes and places of each input's
-        shard are known. Given (and the dtype not object), the store fills outputs as
-        shards arrive (:class:`AssemblingMemoryStore`); else it keeps the shards
-        (:class:`MemoryShardStore`, for outputs whose shape is not known in advance).
+        piece are known. Given (and the dtype not object), the store fills outputs as
+        pieces arrive (:class:`AssemblingMemoryStore`); else it keeps the pieces
+        (:class:`MemoryPieceStore`, for outputs whose shape is not known in advance).
         Required for ``"memory+disk"``.
     in_memory
         For ``"memory+disk"``: one boolean per flat output, true for those held in memory.
@@ -88,9 +88,9 @@ def make_store(
     if kind == "memory":
         if partial is not None and not dtype.hasobject:
             return AssemblingMemoryStore(dtype, name, partial)
-        return MemoryShardStore(dtype, name)
+        return MemoryPieceStore(dtype, name)
     if kind == "disk":
-        return DiskShardStore(dtype, directory, name, buffer_bytes, direct_io)
+        return DiskPieceStore(dtype, directory, name, buffer_bytes, direct_io)
     if kind == "memory+disk":
         if partial is None or in_memory is None or dtype.hasobject:
             raise RechunkInputError(
@@ -99,10 +99,10 @@ def make_store(
             )
         return SplitStore(
             AssemblingMemoryStore(dtype, name, partial),
-            DiskShardStore(dtype, directory, name, buffer_bytes, direct_io),
+            DiskPieceStore(dtype, directory, name, buffer_bytes, direct_io),
             in_memory,
         )
     raise RechunkInputError(
-        f"Unknown shard store kind {kind!r} for store {name!r}; expected one of "
+        f"Unknown piece store kind {kind!r} for store {name!r}; expected one of "
         f"{STORE_KINDS} (resolve 'auto' before creating the store)."
     )

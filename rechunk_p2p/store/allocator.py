@@ -10,7 +10,7 @@ array of 128 KiB or more is a fresh ``mmap``, each of its pages is faulted in an
 the kernel on first write, and ``munmap``-ed when freed. A rechunk frees and allocates such
 arrays all the time (input chunks made by the tasks before it, batches received, cut
 buffers): on the 3-D workload, 470,000 page faults a worker and about a second of kernel time
-per worker and run. While a run that keeps shards in memory is open (the worker plugin
+per worker and run. While a run that keeps pieces in memory is open (the worker plugin
 decides; runs with ``storage: disk`` leave malloc alone), arrays up to
 :data:`MAX_MMAP_THRESHOLD` come from memory freed before, and up to :data:`HELD_TOP_BYTES`
 free at the top of a heap are kept.

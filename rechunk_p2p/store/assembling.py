@@ -1,22 +1,22 @@
-"""A memory store that assembles each output chunk as its shards arrive.
+"""A memory store that assembles each output chunk as its pieces arrive.
 
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 
-Each shard is copied into its output chunk when it is written, so a batch's buffer is free
+Each piece is copied into its output chunk when it is written, so a batch's buffer is free
 as soon as the batch is stored, the worker holds its share of the data once, and reading an
 output after the barrier only hands the array over.
 
 Outputs are allocated in *slabs*: the outputs of one shape that a batch is the first to
 reach, in one array of shape ``(outputs, *output_shape)``, each output a C-contiguous view
-of it. A batch of a regular cut (one input's shards of one shape, as
+of it. A batch of a regular cut (one input's pieces of one shape, as
 :func:`~rechunk_p2p.transport.wire.pack_blocks` makes it) usually has the same place in each of
-its outputs (a row of every column strip, a time step of every time series), so its shards
+its outputs (a row of every column strip, a time step of every time series), so its pieces
 are placed with one strided copy per slab and place, whatever their number: a worker
-receiving thin held rows (thousands of shards of a few dozen bytes per input chunk) pays per
-batch, not per shard. Where shards are large, outputs get pages of their own instead
+receiving thin held rows (thousands of pieces of a few dozen bytes per input chunk) pays per
+batch, not per piece. Where pieces are large, outputs get pages of their own instead
 (:func:`~rechunk_p2p.store.base.empty_output`, whose freed pages serve the next output)
-and each shard is one copy. Bookkeeping is numpy arrays indexed by output and a ledger of
-runs (:class:`~rechunk_p2p.store.ledger.ShardLedger`), never an object per shard.
+and each piece is one copy. Bookkeeping is numpy arrays indexed by output and a ledger of
+runs (:class:`~rechunk_p2p.store.ledger.PieceLedger`), never an object per piece.
 """
 
 from __future__ import annotations
@@ -32,43 +32,43 @@ from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
 from rechunk_p2p.planning import Partial
 from rechunk_p2p.store.base import (
     OWN_PAGES_BYTES,
-    Shard,
+    Piece,
     StoreStatistics,
     check_array,
-    check_shard,
+    check_piece,
     closed_error,
     copy_into_blocking,
     empty_output,
     touch_pages_blocking,
 )
-from rechunk_p2p.store.ledger import ShardLedger
+from rechunk_p2p.store.ledger import PieceLedger
 from rechunk_p2p.transport.wire import Packed, unpack_blocking, unpack_blocks
 
-#: Outputs first reached by one batch share slabs when its shards are at most this large:
-#: below it, a Python step per shard costs about as much as its copy or more (one strided
-#: copy of a batch into a slab is several times faster than shard by shard); above
+#: Outputs first reached by one batch share slabs when its pieces are at most this large:
+#: below it, a Python step per piece costs about as much as its copy or more (one strided
+#: copy of a batch into a slab is several times faster than piece by piece); above
 #: it, each output gets pages of its own, which the next output of its size takes over
 #: when it is freed.
-SLAB_SHARD_BYTES = 64 * 2**10
-#: Batches of at most this many shards are checked and placed by a loop over them.
-_FEW_SHARDS = 16
+SLAB_PIECE_BYTES = 64 * 2**10
+#: Batches of at most this many pieces are checked and placed by a loop over them.
+_FEW_PIECES = 16
 #: A slab holds at most this many bytes (or one output): an output handed over keeps its
 #: slab alive, so a slab is the unit in which memory returns once outputs are consumed.
 SLAB_BYTES = 64 * 2**20
 
 
 class AssemblingMemoryStore:
-    """**Thread-safe (guarded by `_lock`).** Copies each shard into its output chunk on write.
+    """**Thread-safe (guarded by `_lock`).** Copies each piece into its output chunk on write.
 
-    Shards are copied outside the lock, from any number of threads (they fill disjoint
+    Pieces are copied outside the lock, from any number of threads (they fill disjoint
     regions); :meth:`take_output_blocking` waits for copies into that output still in
     progress. Not for object dtype, nor for axes of unknown chunk sizes (the output's shape
-    must be known before its first shard arrives).
+    must be known before its first piece arrives).
 
     Parameters
     ----------
     dtype
-        The dtype of every shard and output.
+        The dtype of every piece and output.
     name
         Names the store in error messages.
     partial
@@ -89,16 +89,16 @@ class AssemblingMemoryStore:
         self._slab_of = np.full(n, -1, dtype=np.int64)  # -1: not allocated (or taken)
         self._slot_of = np.zeros(n, dtype=np.int64)
         self._writing = np.zeros(n, dtype=np.int32)  # copies into an output in progress
-        self._placed = np.zeros(n, dtype=np.int32)  # inputs whose shard was copied in
-        self._shard_bytes = np.zeros(n, dtype=np.int64)
-        # outputs handed over, and the inputs placed in those made again by late shards
+        self._placed = np.zeros(n, dtype=np.int32)  # inputs whose piece was copied in
+        self._piece_bytes = np.zeros(n, dtype=np.int64)
+        # outputs handed over, and the inputs placed in those made again by late pieces
         self._taken = np.zeros(n, dtype=bool)
         self._late: dict[int, set[int]] = {}
         self._slabs: dict[int, np.ndarray] = {}  # id -> (outputs, *shape)
         self._left: dict[int, int] = {}  # id -> outputs of the slab not taken yet
         self._next_slab = 0
         self._held = 0  # bytes of outputs allocated and not taken yet
-        self._ledger = ShardLedger()
+        self._ledger = PieceLedger()
         # outputs' placements, and each place's slices -> (slices, piece shape, start):
         # see _few_places
         self._placements: dict[int, Mapping[int, tuple[slice, ...]]] = {}
@@ -112,7 +112,7 @@ class AssemblingMemoryStore:
     def write_blocks_blocking(
         self, outputs: Sequence[int] | np.ndarray, input_: int, blocks: np.ndarray
     ) -> int:
-        """Copy shards ``blocks[i]`` of outputs ``outputs[i]``, all from input ``input_`` and
+        """Copy pieces ``blocks[i]`` of outputs ``outputs[i]``, all from input ``input_`` and
         of one shape, into their outputs, dropping pairs stored before; return the bytes
         accepted. The whole batch is checked before anything is stored.
 
@@ -121,7 +121,7 @@ class AssemblingMemoryStore:
         RechunkTypeError
             ``blocks`` is not an array of the store's dtype.
         RechunkRunError
-            The store is closed, ``blocks`` does not hold one shard per output, or a shard
+            The store is closed, ``blocks`` does not hold one piece per output, or a piece
             is not input ``input_``'s piece of its output.
         """
         input_ = operator.index(input_)
@@ -138,9 +138,9 @@ class AssemblingMemoryStore:
         return self._write_checked_blocking(input_, outs, starts, blocks)
 
     def _checked_places(self, outs: np.ndarray, input_: int, shape: tuple[int, ...]) -> np.ndarray:
-        """Where input ``input_``'s shards of ``shape`` start in outputs ``outs``, after
+        """Where input ``input_``'s pieces of ``shape`` start in outputs ``outs``, after
         checking that each is that input's piece of its output."""
-        if len(outs) <= _FEW_SHARDS:  # (a few numpy passes cost more than a loop then)
+        if len(outs) <= _FEW_PIECES:  # (a few numpy passes cost more than a loop then)
             return self._few_places(outs.tolist(), input_, shape)
         self._check_outputs(outs, input_)
         starts, lengths = self._partial.places(input_, outs)
@@ -160,7 +160,7 @@ class AssemblingMemoryStore:
                 where = placement.get(input_)
             if where is None:
                 raise RechunkRunError(
-                    f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                    f"Store {self.name!r} got a piece of output {output} from input {input_}, "
                     "which has no piece of that output"
                 )
             # (a placement's slices live as long as the partial: their id names them)
@@ -170,16 +170,16 @@ class AssemblingMemoryStore:
                 hit = self._pieces[id(where)] = (where, piece, [s.start for s in where])
             if hit[1] != tuple(shape):
                 raise RechunkRunError(
-                    f"Store {self.name!r} got a shard of shape {tuple(shape)} for output "
+                    f"Store {self.name!r} got a piece of shape {tuple(shape)} for output "
                     f"{output} from input {input_}; its piece there has shape {hit[1]}"
                 )
             starts.append(hit[2])
         return np.array(starts, dtype=np.int64).reshape(len(outs), len(shape))
 
-    def write_blocking(self, shards: Iterable[Shard]) -> int:
-        """Copy shards (of any inputs and shapes) into their outputs, dropping pairs stored
+    def write_blocking(self, pieces: Iterable[Piece]) -> int:
+        """Copy pieces (of any inputs and shapes) into their outputs, dropping pairs stored
         before; return the bytes accepted. Raises as :meth:`write_blocks_blocking`."""
-        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        batch = [check_piece(s, self.dtype, self.kind, self.name) for s in pieces]
         by_input: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         for k, (_, input_, array) in enumerate(batch):
             by_input.setdefault((input_, array.shape), []).append(k)
@@ -194,7 +194,7 @@ class AssemblingMemoryStore:
         return sum(self._write_checked_blocking(*args) for args in checked)
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
-        """Copy the shards of batches as they came off the wire into their outputs (the
+        """Copy the pieces of batches as they came off the wire into their outputs (the
         batches' payloads are not kept)."""
         accepted = 0
         for packed in batch:
@@ -212,14 +212,14 @@ class AssemblingMemoryStore:
         each = blocks[0].nbytes
         with self._lock:
             if self._closed:
-                raise closed_error(self.kind, self.name, "write shards")
+                raise closed_error(self.kind, self.name, "write pieces")
             fresh = self._ledger.admit_batch(input_, outs, checked=True)
             if fresh is not None:
                 outs, starts, blocks = outs[fresh], starts[fresh], blocks[fresh]
                 if not len(outs):
                     return 0
             self._allocate_locked(outs, each)
-            for output in outs[self._taken[outs]].tolist():  # (late shards: rare)
+            for output in outs[self._taken[outs]].tolist():  # (late pieces: rare)
                 self._late.setdefault(output, set()).add(input_)
             slabs, slots = self._slab_of[outs], self._slot_of[outs]
             one = int(slabs[0])
@@ -235,16 +235,16 @@ class AssemblingMemoryStore:
                 self._writing[outs] -= 1
                 if done:
                     self._placed[outs] += 1
-                    self._shard_bytes[outs] += each
+                    self._piece_bytes[outs] += each
                     self._ledger.stored(len(outs), each * len(outs))
                 else:
                     self._ledger.forget_batch(input_, outs)
                 self._lock.notify_all()
         return each * len(outs)
 
-    def _allocate_locked(self, outs: np.ndarray, shard_bytes: int) -> None:
+    def _allocate_locked(self, outs: np.ndarray, piece_bytes: int) -> None:
         """Allocate the outputs of ``outs`` that have no array yet: one slab per shape for
-        small shards (see :data:`SLAB_SHARD_BYTES`), else one array each."""
+        small pieces (see :data:`SLAB_PIECE_BYTES`), else one array each."""
         new = outs[self._slab_of[outs] < 0]
         if not len(new):
             return
@@ -258,7 +258,7 @@ class AssemblingMemoryStore:
         for members, shape in groups:
             nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
             per_slab = 1
-            if shard_bytes <= SLAB_SHARD_BYTES or nbytes < OWN_PAGES_BYTES:
+            if piece_bytes <= SLAB_PIECE_BYTES or nbytes < OWN_PAGES_BYTES:
                 per_slab = max(SLAB_BYTES // max(nbytes, 1), 1)
             for start in range(0, len(members), per_slab):
                 self._new_slab_locked(members[start : start + per_slab], shape)
@@ -286,14 +286,14 @@ class AssemblingMemoryStore:
             output = int(outs[bad[0]]) if len(bad) else int(outs[0])
             which = "input" if outside else "output"
             raise RechunkRunError(
-                f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                f"Store {self.name!r} got a piece of output {output} from input {input_}, "
                 f"which has no piece of that output (the {which} is not in the sub-shuffle)"
             )
 
     def _check_places(
         self, outs: np.ndarray, input_: int, lengths: np.ndarray, shape: tuple[int, ...]
     ) -> None:
-        """Raise unless each shard has the shape of input ``input_``'s piece of its output
+        """Raise unless each piece has the shape of input ``input_``'s piece of its output
         (every piece has elements: a length of 0 or less means there is no piece)."""
         fits = len(shape) == lengths.shape[1] and all(n > 0 for n in shape)
         if fits and not (lengths != np.asarray(shape, dtype=np.int64)).any():
@@ -311,19 +311,19 @@ class AssemblingMemoryStore:
         output = int(outs[k])
         if absent[k]:
             raise RechunkRunError(
-                f"Store {self.name!r} got a shard of output {output} from input {input_}, "
+                f"Store {self.name!r} got a piece of output {output} from input {input_}, "
                 "which has no piece of that output"
             )
         raise RechunkRunError(
-            f"Store {self.name!r} got a shard of shape {tuple(shape)} for output {output} "
+            f"Store {self.name!r} got a piece of shape {tuple(shape)} for output {output} "
             f"from input {input_}; its piece there has shape {tuple(lengths[k].tolist())}"
         )
 
     # -- reading -----------------------------------------------------------------------
 
     def take_output_blocking(self, output: int) -> tuple[np.ndarray | None, list[int]]:
-        """Hand over output chunk ``output`` and forget it: the array (``None`` if no shard
-        of it was written) and the inputs whose shards it lacks, sorted. Waits for copies
+        """Hand over output chunk ``output`` and forget it: the array (``None`` if no piece
+        of it was written) and the inputs whose pieces it lacks, sorted. Waits for copies
         into it still in progress."""
         with self._lock:
             while self._writing[output] and not self._closed:
@@ -339,9 +339,9 @@ class AssemblingMemoryStore:
             placed = int(self._placed[output])
             self._slab_of[output] = -1
             self._held -= array.nbytes
-            self._ledger.read(int(self._shard_bytes[output]))
+            self._ledger.read(int(self._piece_bytes[output]))
             self._left[sid] -= 1
-            self._placed[output] = self._shard_bytes[output] = 0
+            self._placed[output] = self._piece_bytes[output] = 0
             if not self._left[sid]:  # the outputs handed over keep the slab alive
                 del self._slabs[sid], self._left[sid]
             complete = placed == len(expected)
@@ -379,14 +379,14 @@ def _copy_blocking(
     starts: np.ndarray,
     blocks: np.ndarray,
 ) -> None:
-    """Copy shard ``blocks[k]`` to ``arrays[slabs[k]][slots[k]]`` at ``starts[k]``: one
-    strided copy for the shards of one slab that have one place in their outputs, one copy
-    per shard in an output of its own."""
+    """Copy piece ``blocks[k]`` to ``arrays[slabs[k]][slots[k]]`` at ``starts[k]``: one
+    strided copy for the pieces of one slab that have one place in their outputs, one copy
+    per piece in an output of its own."""
     shape = blocks.shape[1:]
-    if len(blocks) <= _FEW_SHARDS:
+    if len(blocks) <= _FEW_PIECES:
         _copy_few_blocking(arrays, slabs.tolist(), slots.tolist(), starts.tolist(), blocks)
         return
-    if all(len(arrays[sid]) == 1 for sid in arrays):  # outputs of their own: shard by shard
+    if all(len(arrays[sid]) == 1 for sid in arrays):  # outputs of their own: piece by piece
         for k, (sid, place) in enumerate(zip(slabs.tolist(), starts.tolist())):
             region = tuple(slice(p, p + n) for p, n in zip(place, shape))
             copy_into_blocking(arrays[sid][(0, *region)], blocks[k])
@@ -410,7 +410,7 @@ def _copy_blocking(
         region = tuple(slice(p, p + n) for p, n in zip(place, shape))
         chosen = slots[rows]
         source = blocks[rows]
-        if len(slab) == 1:  # an output of its own: one copy per shard
+        if len(slab) == 1:  # an output of its own: one copy per piece
             for k in range(len(chosen)):
                 copy_into_blocking(slab[(0, *region)], source[k])
             continue
@@ -428,8 +428,8 @@ def _copy_few_blocking(
     starts: list[list[int]],
     blocks: np.ndarray,
 ) -> None:
-    """:func:`_copy_blocking` of a few shards, grouped by a loop: one copy per run of
-    consecutive slots of one slab and place, one per shard elsewhere."""
+    """:func:`_copy_blocking` of a few pieces, grouped by a loop: one copy per run of
+    consecutive slots of one slab and place, one per piece elsewhere."""
     shape = blocks.shape[1:]
     groups: dict[tuple, list[int]] = {}
     for k, (sid, place) in enumerate(zip(slabs, starts)):

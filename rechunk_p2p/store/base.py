@@ -1,13 +1,13 @@
-"""The shard-store interface: where received shards wait until their output chunk is built.
+"""The piece-store interface: where received pieces wait until their output chunk is built.
 
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 
-In a P2P rechunk every input chunk is cut into shards, each belonging to one output chunk.
-The receiving worker writes shards into a :class:`ShardStore` from several threads at once
-(the offload pool for shards that arrived over the network, task threads for shards that
-stay on the local worker) and later reads each output chunk's shards back to assemble it.
-Two implementations exist: :class:`~rechunk_p2p.store.memory.MemoryShardStore` keeps the
-arrays, :class:`~rechunk_p2p.store.disk.DiskShardStore` spills them to local disk. Both
+In a P2P rechunk every input chunk is cut into pieces, each belonging to one output chunk.
+The receiving worker writes pieces into a :class:`PieceStore` from several threads at once
+(the offload pool for pieces that arrived over the network, task threads for pieces that
+stay on the local worker) and later reads each output chunk's pieces back to assemble it.
+Two implementations exist: :class:`~rechunk_p2p.store.memory.MemoryPieceStore` keeps the
+arrays, :class:`~rechunk_p2p.store.disk.DiskPieceStore` spills them to local disk. Both
 are thread-safe; every method is blocking.
 """
 
@@ -24,28 +24,28 @@ from rechunk_p2p.errors import RechunkRunError, RechunkTypeError
 from rechunk_p2p.store.allocator import GLIBC_DEFAULT_THRESHOLD
 from rechunk_p2p.store.ledger import StoreStatistics
 from rechunk_p2p.store.pages import OUTPUT_PAGES
-from rechunk_p2p.transport.wire import Shard
+from rechunk_p2p.transport.wire import Piece
 
 if TYPE_CHECKING:
     from rechunk_p2p.transport.wire import Packed
 
-__all__ = ["Shard"]  # (defined with the wire format, which stores and senders share)
+__all__ = ["Piece"]  # (defined with the wire format, which stores and senders share)
 
 StoreKind = Literal["disk", "memory", "memory+disk"]
 STORE_KINDS: tuple[StoreKind, ...] = ("disk", "memory", "memory+disk")
 
 
 @runtime_checkable
-class ShardStore(Protocol):
-    """The interface shared by :class:`MemoryShardStore` and :class:`DiskShardStore`.
+class PieceStore(Protocol):
+    """The interface shared by :class:`MemoryPieceStore` and :class:`DiskPieceStore`.
 
     Every method is blocking and safe to call from several threads at once.
     """
 
-    def write_blocking(self, shards: Iterable[Shard]) -> int:
-        """Store shards; return the payload bytes accepted.
+    def write_blocking(self, pieces: Iterable[Piece]) -> int:
+        """Store pieces; return the payload bytes accepted.
 
-        A shard whose ``(output, input)`` pair is already stored (or was stored and then
+        A piece whose ``(output, input)`` pair is already stored (or was stored and then
         read) is dropped and counted as a duplicate, so retried
         deliveries never duplicate data. The batch is validated before anything is stored.
 
@@ -61,7 +61,7 @@ class ShardStore(Protocol):
         ...
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
-        """:meth:`write_blocking` for batches of shards as they came off the wire (or were
+        """:meth:`write_blocking` for batches of pieces as they came off the wire (or were
         packed for it), without unpacking them where the store can help it."""
         ...
 
@@ -83,14 +83,14 @@ class ShardStore(Protocol):
     def read_into_blocking(
         self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
     ) -> list[int]:
-        """Place every shard of ``output`` into ``out[placement[input]]`` and discard it.
+        """Place every piece of ``output`` into ``out[placement[input]]`` and discard it.
 
-        Returns the input indices of the shards found (the caller checks completeness).
+        Returns the input indices of the pieces found (the caller checks completeness).
         """
         ...
 
     def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
-        """Fill C-contiguous ``out`` with the shards of ``output`` one after another, in the
+        """Fill C-contiguous ``out`` with the pieces of ``output`` one after another, in the
         order of the inputs ``order`` (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`),
         and discard them. Returns the inputs placed, stopping at the first one missing."""
         ...
@@ -113,13 +113,13 @@ def closed_error(kind: str, name: str, action: str) -> RechunkRunError:
     Where it runs: pure.
     """
     return RechunkRunError(
-        f"Cannot {action}: the {kind} shard store {name!r} is closed (its rechunk run has "
+        f"Cannot {action}: the {kind} piece store {name!r} is closed (its rechunk run has "
         "ended, failed or was restarted)."
     )
 
 
-def check_shard(shard: Shard, dtype: np.dtype, kind: str, name: str) -> Shard:
-    """Validate one shard and return it with plain-int indices and the store's dtype.
+def check_piece(piece: Piece, dtype: np.dtype, kind: str, name: str) -> Piece:
+    """Validate one piece and return it with plain-int indices and the store's dtype.
 
     Where it runs: pure. An array whose dtype differs only in byte order notation is
     converted (``casting="equiv"``); any other dtype mismatch raises.
@@ -130,28 +130,28 @@ def check_shard(shard: Shard, dtype: np.dtype, kind: str, name: str) -> Shard:
         The array is not a numpy array, the indices are not integers, or the dtype differs.
     """
     try:
-        output, input_, array = shard
+        output, input_, array = piece
         output, input_ = operator.index(output), operator.index(input_)
     except (TypeError, ValueError) as exc:
         raise RechunkTypeError(
-            f"The {kind} shard store {name!r} expects (output index, input index, array) "
-            f"tuples with integer indices; got {type(shard).__name__}: {exc}"
+            f"The {kind} piece store {name!r} expects (output index, input index, array) "
+            f"tuples with integer indices; got {type(piece).__name__}: {exc}"
         ) from exc
     return output, input_, check_array(array, dtype, kind, name, f"output {output}, input {input_}")
 
 
 def check_array(array: Any, dtype: np.dtype, kind: str, name: str, of: str) -> np.ndarray:
-    """:func:`check_shard`'s check of the array alone (``of`` names it in errors): a numpy
+    """:func:`check_piece`'s check of the array alone (``of`` names it in errors): a numpy
     array of ``dtype``, converted from another byte order notation."""
     if not isinstance(array, np.ndarray):
         raise RechunkTypeError(
-            f"The {kind} shard store {name!r} expects numpy arrays; got "
+            f"The {kind} piece store {name!r} expects numpy arrays; got "
             f"{type(array).__name__} for {of}."
         )
     if array.dtype != dtype:
         if not np.can_cast(array.dtype, dtype, casting="equiv"):
             raise RechunkTypeError(
-                f"The {kind} shard store {name!r} holds dtype {dtype}; got a shard of dtype "
+                f"The {kind} piece store {name!r} holds dtype {dtype}; got a piece of dtype "
                 f"{array.dtype} for {of}."
             )
         array = array.astype(dtype, casting="equiv")
@@ -169,7 +169,7 @@ def owned_array(array: np.ndarray) -> np.ndarray:
 
 
 SMALL_COPY_BYTES = 256 * 2**10
-"""Shards up to this size are placed with the GIL held (see :func:`place_blocking`)."""
+"""Pieces up to this size are placed with the GIL held (see :func:`place_blocking`)."""
 
 
 _PAGE = mmap.PAGESIZE
@@ -204,47 +204,47 @@ def touch_pages_blocking(array: np.ndarray) -> None:
     released (numpy releases it for a fill of more than a few hundred elements).
 
     Where it runs: task threads and the offload pool. A new array's pages are mapped on
-    first write, and a first write inside a copy that holds the GIL (a small shard's
+    first write, and a first write inside a copy that holds the GIL (a small piece's
     memory move, see :func:`place_blocking`) holds it through the page faults too: on
     virtual machines a fault costs microseconds, and filling a fresh output from many
-    shards that way stalls the event loops for milliseconds at a time. Touching the pages
+    pieces that way stalls the event loops for milliseconds at a time. Touching the pages
     first moves the faults out of the GIL.
     """
     if array.nbytes >= 16 * _PAGE and array.flags.c_contiguous:
         array.reshape(-1).view(np.uint8)[::_PAGE] = 0
 
 
-def place_blocking(out: np.ndarray, where: tuple[slice, ...], shard: np.ndarray) -> None:
-    """Copy ``shard`` into ``out[where]``.
+def place_blocking(out: np.ndarray, where: tuple[slice, ...], piece: np.ndarray) -> None:
+    """Copy ``piece`` into ``out[where]``.
 
     Where it runs: task threads and the offload pool. numpy releases the GIL for every copy of
     more than a few hundred elements and must take it back afterwards; with other threads
     wanting the GIL (the event loops, the data plane), each small copy then waits for a switch
     interval instead of the microsecond it needs, and assembling an output from a thousand
-    4 KiB shards takes a hundred times longer. A small shard whose destination is one
-    contiguous run of ``out`` (the usual case: a shard spans the output's trailing axes) is
+    4 KiB pieces takes a hundred times longer. A small piece whose destination is one
+    contiguous run of ``out`` (the usual case: a piece spans the output's trailing axes) is
     therefore copied as a single memory move with the GIL held; anything else is a numpy
     assignment.
     """
-    copy_into_blocking(out[(*where, Ellipsis)], shard)  # a view, also of a 0-d array
+    copy_into_blocking(out[(*where, Ellipsis)], piece)  # a view, also of a 0-d array
 
 
-def copy_into_blocking(region: np.ndarray, shard: np.ndarray) -> None:
-    """Copy ``shard`` into ``region``, a view of the same shape: a small contiguous copy as
+def copy_into_blocking(region: np.ndarray, piece: np.ndarray) -> None:
+    """Copy ``piece`` into ``region``, a view of the same shape: a small contiguous copy as
     one memory move with the GIL held (see :func:`place_blocking`), anything else as a numpy
     assignment, which lets other threads run during a large copy."""
     if (
-        shard.nbytes <= SMALL_COPY_BYTES
+        piece.nbytes <= SMALL_COPY_BYTES
         and region.flags.c_contiguous
-        and shard.flags.c_contiguous
-        and region.shape == shard.shape
-        and region.dtype == shard.dtype
+        and piece.flags.c_contiguous
+        and region.shape == piece.shape
+        and region.dtype == piece.dtype
         and not region.dtype.hasobject
         and region.nbytes
     ):
         # a memoryview slice assignment is a memcpy that keeps the GIL
         memoryview(region.reshape(-1).view(np.uint8))[:] = memoryview(
-            shard.reshape(-1).view(np.uint8)
+            piece.reshape(-1).view(np.uint8)
         )
     else:
-        region[...] = shard
+        region[...] = piece

@@ -15,7 +15,7 @@ The rules of ``O_DIRECT``: the file offset, the length and the memory address of
 read and write are multiples of the device's logical block size (:data:`ALIGNMENT` covers
 every common device). So writes are copied into page-aligned staging buffers and padded at
 the end (the store starts every write at an aligned offset), and reads fetch the aligned
-span around the bytes wanted into a staging buffer, then copy them out. One output's shards
+span around the bytes wanted into a staging buffer, then copy them out. One output's pieces
 lie in a few extents of the file (one per flush of the write buffer); the extents are read
 in units of up to :data:`UNIT_BYTES`, :data:`READS_IN_FLIGHT` at a time, because one read
 at a time leaves most of a disk's bandwidth unused.
@@ -47,7 +47,7 @@ READS_IN_FLIGHT = 4
 
 ENDED_EARLY = "the data file ended early (was it truncated or removed?)"
 
-#: ``auto`` uses ``O_DIRECT`` when the shards a host's workers spill outgrow what the page
+#: ``auto`` uses ``O_DIRECT`` when the pieces a host's workers spill outgrow what the page
 #: cache holds before writing back (:func:`writeback_threshold_bytes`), and a store's first
 #: write holds at least this many bytes per output on average: below it an output's extents
 #: are too small to read from the disk one by one, and the page cache serves them better.

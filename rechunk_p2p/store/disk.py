@@ -1,17 +1,17 @@
-"""A shard store that spills shards to one append-only file on local disk.
+"""A piece store that spills pieces to one append-only file on local disk.
 
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 
 Layout: a sub-directory of the worker's local directory, named after the store, holding one
-data file. Writes gather shards in a write buffer (``buffer_bytes``); once they are half of
+data file. Writes gather pieces in a write buffer (``buffer_bytes``); once they are half of
 it, the store's flush thread writes them, ordered by output and input, so that one
-output's shards lie one after another, while writers go on gathering the other half (a
-writer waits while its shards would take the write in flight and the gathered ones past
+output's pieces lie one after another, while writers go on gathering the other half (a
+writer waits while its pieces would take the write in flight and the gathered ones past
 ``buffer_bytes``: at most that is held then, and under half of it plus one batch when no
 write is in flight).
 A write reserves a contiguous byte range of the file under the lock, then writes with
 ``os.pwritev`` (per ``IOV_MAX`` buffers) *outside* the lock, so concurrent writers never
-serialise on I/O; only then are the shards published in the index, numpy rows of
+serialise on I/O; only then are the pieces published in the index, numpy rows of
 :data:`ENTRY`. A read flushes the buffer, takes an output's rows and ``os.preadv``-s straight
 into the output or fresh arrays (adjacent byte ranges in one call). Fixed-width dtypes are
 stored as raw bytes; dtypes holding Python objects are pickled (protocol 5). Disk space of
@@ -36,9 +36,9 @@ import numpy as np
 
 from rechunk_p2p.errors import RechunkStorageError
 from rechunk_p2p.store.base import (
-    Shard,
+    Piece,
     StoreStatistics,
-    check_shard,
+    check_piece,
     closed_error,
 )
 from rechunk_p2p.store.direct import (
@@ -60,20 +60,20 @@ from rechunk_p2p.store.files import (
     remove_blocking,
     safe_name,
 )
-from rechunk_p2p.store.ledger import ShardLedger, pair_keys
+from rechunk_p2p.store.ledger import PieceLedger, pair_keys
 from rechunk_p2p.transport.wire import Packed, packed_sizes, unpack_blocking
 
-DATA_FILE = "shards.bin"
+DATA_FILE = "pieces.bin"
 
 _WRITE_ADVICE = (
     "Free space on that disk, point the worker's local directory elsewhere "
     "(`dask worker --local-directory ...` or the `temporary-directory` config), or "
-    'buffer shards in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
+    'buffer pieces in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
 )
 
 
-class DiskShardStore(DiskWriteBuffer, DiskReads):
-    """**Thread-safe (guarded by `_lock`).** Spills shards to one file under ``directory``.
+class DiskPieceStore(DiskWriteBuffer, DiskReads):
+    """**Thread-safe (guarded by `_lock`).** Spills pieces to one file under ``directory``.
 
     ``_lock`` guards the index, the reserved end of the file, the counters, the set of
     stored ``(output, input)`` pairs and the number of I/O operations in flight; it is never
@@ -83,14 +83,14 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
     waits (on ``_idle``, a condition of ``_lock``) until no I/O is in flight before closing
     the file, so a file descriptor is never closed under a reader or writer.
 
-    The index holds no Python object per shard: writes append rows of :data:`ENTRY` (one
+    The index holds no Python object per piece: writes append rows of :data:`ENTRY` (one
     array per write call), and the first read after writes sorts them by output and input
     once and files them under their outputs.
 
     Parameters
     ----------
     dtype
-        The dtype of every shard.
+        The dtype of every piece.
     directory
         Parent directory of the store's own sub-directory, which is named after ``name`` and
         created on the first write (``None``: the system temporary directory). Missing
@@ -98,8 +98,8 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
     name
         Names the store in error messages and on disk.
     buffer_bytes
-        Shards gathered in memory before they are written, ordered by output, so that an
-        output is read back in a few large reads instead of one per shard (``0``: each write
+        Pieces gathered in memory before they are written, ordered by output, so that an
+        output is read back in a few large reads instead of one per piece (``0``: each write
         goes to disk at once). They count as held bytes like spilled ones.
     direct_io
         Whether the data file is written and read with ``O_DIRECT``, bypassing the page cache
@@ -140,10 +140,10 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
         self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
         self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
         self._groups: list[Group] = []  # the groups that ENTRY rows name (disk_blocks)
-        self._held: set[int] = set()  # outputs with spilled shards not read yet
+        self._held: set[int] = set()  # outputs with spilled pieces not read yet
         self._shapes: list[tuple[int, ...]] = []
         self._shape_ids: dict[tuple[int, ...], int] = {}
-        self._ledger = ShardLedger()
+        self._ledger = PieceLedger()
         self._fd: int | None = None
         self._direct_io = direct_io  # None until the first write decides (auto)
         self._direct: DirectFile | None = None  # once the file is open unbuffered too
@@ -152,7 +152,7 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
         self._finalizer: weakref.finalize | None = None
 
     def __repr__(self) -> str:
-        return f"<DiskShardStore {self.name!r} dtype={self.dtype} path={self.path!r}>"
+        return f"<DiskPieceStore {self.name!r} dtype={self.dtype} path={self.path!r}>"
 
     @property
     def path(self) -> str | None:
@@ -161,14 +161,14 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
 
     # -- writing -----------------------------------------------------------------------
 
-    def write_blocking(self, shards: Iterable[Shard]) -> int:
-        """Spill shards to disk, dropping ``(output, input)`` pairs already stored.
+    def write_blocking(self, pieces: Iterable[Piece]) -> int:
+        """Spill pieces to disk, dropping ``(output, input)`` pairs already stored.
 
-        See :meth:`rechunk_p2p.store.base.ShardStore.write_blocking`. Returns the bytes
+        See :meth:`rechunk_p2p.store.base.PieceStore.write_blocking`. Returns the bytes
         spilled (the pickled size for object dtypes).
         """
-        checked = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
-        checked.sort(key=lambda s: (s[0], s[1]))  # one output's shards end up adjacent
+        checked = [check_piece(s, self.dtype, self.kind, self.name) for s in pieces]
+        checked.sort(key=lambda s: (s[0], s[1]))  # one output's pieces end up adjacent
         views = [self._encode(a) for _, _, a in checked]
         return self._append_blocking(
             [o for o, _, _ in checked],
@@ -179,8 +179,8 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
         )
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
-        """Spill batches of shards as they came off the wire: each batch's payload is
-        written as it is, with one index row per shard and no per-shard buffer. Dropping
+        """Spill batches of pieces as they came off the wire: each batch's payload is
+        written as it is, with one index row per piece and no per-piece buffer. Dropping
         pairs already stored as :meth:`write_blocking` does; returns the bytes spilled."""
         if self._pickled:
             return self.write_blocking(s for p in batch for s in unpack_blocking(p, self.dtype))
@@ -203,14 +203,14 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
         payloads: list,
         sizes: Sequence[int],
     ) -> int:
-        """Store shards: write them to the data file now, or gather them in the write buffer
-        until it is full. ``payloads`` hold the shards' bytes one after another (one buffer
-        per shard, or one buffer holding them all); ``sizes`` are their byte counts."""
+        """Store pieces: write them to the data file now, or gather them in the write buffer
+        until it is full. ``payloads`` hold the pieces' bytes one after another (one buffer
+        per piece, or one buffer holding them all); ``sizes`` are their byte counts."""
         if not outputs:
             return 0
         with self._lock:
             if self._closed:
-                raise closed_error(self.kind, self.name, "write shards")
+                raise closed_error(self.kind, self.name, "write pieces")
             admitted = self._ledger.admit_keys(pair_keys(outputs, inputs))
             shape_ids = self._shape_ids_locked(shapes)
         rows = np.empty(len(outputs), dtype=ENTRY)
@@ -231,19 +231,19 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
                     self._held.update(rows["output"].tolist())
                 self._ledger.stored(len(rows), total, held=not self._closed)
             return total
-        views = _shard_views(payloads, rows["nbytes"])
+        views = _piece_views(payloads, rows["nbytes"])
         return self._gather_blocking(
             (rows, views), rows["output"], total, lambda: pair_keys(rows["output"], rows["input"])
         )
 
     def _append_block_blocking(self, packed: Packed, size: int) -> int:
-        """Gather a regular batch (shards of ``size`` bytes) whole, as one
-        :class:`~rechunk_p2p.store.disk_blocks.Block`: no index row or view per shard."""
+        """Gather a regular batch (pieces of ``size`` bytes) whole, as one
+        :class:`~rechunk_p2p.store.disk_blocks.Block`: no index row or view per piece."""
         outputs = np.asarray(packed.outputs, dtype=np.int64)
         input_ = packed.inputs[0]
         with self._lock:
             if self._closed:
-                raise closed_error(self.kind, self.name, "write shards")
+                raise closed_error(self.kind, self.name, "write pieces")
             admitted = self._ledger.admit_batch(input_, outputs)
             shape_id = self._shape_ids_locked(packed.shapes[:1])
         payload = packed.payload.reshape(-1).view(np.uint8)
@@ -264,15 +264,15 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
         pairs: Callable[[], np.ndarray] | None = None,
     ) -> None:
         """Write ``views`` (the bytes of ``rows``, in order) at the end of the data file, then
-        publish the rows with their offsets. ``pairs``: the pair keys of the shards, where
-        the rows are not one a shard."""
+        publish the rows with their offsets. ``pairs``: the pair keys of the pieces, where
+        the rows are not one a piece."""
         if pairs is None:
             pairs = functools.partial(pair_keys, rows["output"], rows["input"])
         total = int(rows["nbytes"].sum())
         with self._lock:
             if self._closed:
                 self._ledger.forget_keys(pairs())
-                raise closed_error(self.kind, self.name, "write shards")
+                raise closed_error(self.kind, self.name, "write pieces")
             if self._direct_io is None:
                 self._direct_io = worth_direct(total, len(np.unique(rows["output"])))
             start = self._end
@@ -287,7 +287,7 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
             with self._lock:
                 self._ledger.forget_keys(pairs())
                 self._release_locked()
-            raise self._storage_error(exc, f"write {total} bytes of shards") from exc
+            raise self._storage_error(exc, f"write {total} bytes of pieces") from exc
         with self._lock:
             self._unsorted.append(rows)
             self._release_locked()
@@ -401,7 +401,7 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
                 self._finalizer()
         except OSError as exc:
             advice = "Remove that directory by hand once no worker uses it."
-            raise self._storage_error(exc, "remove the spilled shards", advice) from exc
+            raise self._storage_error(exc, "remove the spilled pieces", advice) from exc
         finally:
             self._close_done.set()
 
@@ -415,7 +415,7 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
         where = self._path or os.path.join(self.directory, safe_name(self.name))
         reason = exc.strerror or str(exc) or type(exc).__name__
         message = (
-            f"The disk shard store {self.name!r} could not {action} in {where!r}: {reason}. "
+            f"The disk piece store {self.name!r} could not {action} in {where!r}: {reason}. "
             + (advice or _WRITE_ADVICE)
         )
         if exc.errno is not None:
@@ -427,12 +427,12 @@ class DiskShardStore(DiskWriteBuffer, DiskReads):
 
 
 def _split_kept(payloads: list, sizes: np.ndarray, keep: np.ndarray) -> list[memoryview]:
-    """The bytes of the kept shards of ``payloads`` (see :func:`_shard_views`), in order."""
-    return [v for v, k in zip(_shard_views(payloads, sizes), keep.tolist()) if k]
+    """The bytes of the kept pieces of ``payloads`` (see :func:`_piece_views`), in order."""
+    return [v for v, k in zip(_piece_views(payloads, sizes), keep.tolist()) if k]
 
 
-def _shard_views(payloads: list, sizes: np.ndarray) -> list[memoryview]:
-    """One memoryview per shard of ``payloads`` (one buffer per shard, or one holding all
+def _piece_views(payloads: list, sizes: np.ndarray) -> list[memoryview]:
+    """One memoryview per piece of ``payloads`` (one buffer per piece, or one holding all
     of them one after another, ``sizes`` bytes each)."""
     flat = [memoryview(p).cast("B") for p in payloads]
     if len(flat) == len(sizes):

@@ -3,14 +3,14 @@
 Where it runs: the disk store's flush thread and its readers (task threads); numpy only, no
 state of its own.
 
-A regular batch (one input's shards for many outputs, all of one shape, see
+A regular batch (one input's pieces for many outputs, all of one shape, see
 :attr:`~rechunk_p2p.transport.wire.Packed.regular`) is what a cut sends every worker. Held
-thin rows make millions of them per worker, of a few dozen bytes a shard: one index row and
-one Python step per shard outweighed the data. Instead the batches gathered for one flush
+thin rows make millions of them per worker, of a few dozen bytes a piece: one index row and
+one Python step per piece outweighed the data. Instead the batches gathered for one flush
 that go to the same outputs form a **group**: its bytes are laid out output-major (for each
-output, the group's shards in input order, one strided copy per batch), and the index gets
+output, the group's pieces in input order, one strided copy per batch), and the index gets
 one row per output of the group, which names the group. A read expands such a row back into
-the shards it holds (:func:`expand_rows`), a few numpy operations per row.
+the pieces it holds (:func:`expand_rows`), a few numpy operations per row.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 #: One index row: an output, an input, a byte range of the data file, a shape (an index into
-#: the store's table of shapes), and a group: ``-1`` for a row of one shard, else the row
-#: holds the shards of that group for its output, one after another (``input`` and
+#: the store's table of shapes), and a group: ``-1`` for a row of one piece, else the row
+#: holds the pieces of that group for its output, one after another (``input`` and
 #: ``shape`` unused, ``nbytes`` their sum).
 ENTRY = np.dtype(
     [
@@ -42,7 +42,7 @@ SLAB_BYTES = 4 << 20
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """**Immutable.** One regular batch waiting in the write buffer: the shards of
+    """**Immutable.** One regular batch waiting in the write buffer: the pieces of
     ``input`` for ``outputs`` (ascending), ``size`` bytes each, one after another in
     ``payload`` (flat ``uint8``)."""
 
@@ -60,7 +60,7 @@ class Block:
 @dataclass(frozen=True, slots=True)
 class Group:
     """**Immutable.** The batches of one flush for one set of outputs: their inputs
-    (ascending), each one's shard size in bytes and shape id."""
+    (ascending), each one's piece size in bytes and shape id."""
 
     inputs: np.ndarray
     sizes: np.ndarray
@@ -98,7 +98,7 @@ def slabs(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The bytes of ``blocks`` (one group, ordered by input) output-major, a slab of
     consecutive outputs at a time: ``(outputs of the slab, bytes)``, where the bytes hold,
-    for each output of the slab, its shards from every block in order.
+    for each output of the slab, its pieces from every block in order.
 
     >>> a = Block(np.array([0, 1]), 5, 0, 2, np.array([1, 1, 2, 2], dtype="u1"))
     >>> b = Block(np.array([0, 1]), 7, 0, 1, np.array([3, 4], dtype="u1"))
@@ -132,21 +132,21 @@ def group_rows(outputs: np.ndarray, group_id: int, row_bytes: int) -> np.ndarray
 
 
 def expand_rows(rows: np.ndarray, groups: list[Group]) -> np.ndarray:
-    """``rows`` with every group row replaced by one row per shard it holds."""
+    """``rows`` with every group row replaced by one row per piece it holds."""
     at = rows["group"] >= 0
     if not at.any():
         return rows
     parts = [rows[~at]]
     for row in rows[at]:
         group = groups[int(row["group"])]
-        shards = np.empty(len(group.inputs), dtype=ENTRY)
-        shards["output"] = row["output"]
-        shards["input"] = group.inputs
-        shards["nbytes"] = group.sizes
-        shards["offset"] = int(row["offset"]) + np.cumsum(group.sizes) - group.sizes
-        shards["shape"] = group.shape_ids
-        shards["group"] = -1
-        parts.append(shards)
+        pieces = np.empty(len(group.inputs), dtype=ENTRY)
+        pieces["output"] = row["output"]
+        pieces["input"] = group.inputs
+        pieces["nbytes"] = group.sizes
+        pieces["offset"] = int(row["offset"]) + np.cumsum(group.sizes) - group.sizes
+        pieces["shape"] = group.shape_ids
+        pieces["group"] = -1
+        parts.append(pieces)
     return np.concatenate(parts)
 
 

@@ -1,9 +1,9 @@
-"""A disk store's write buffer: shards gathered in memory, written by one flush thread
+"""A disk store's write buffer: pieces gathered in memory, written by one flush thread
 ordered by output (regular batches a group at a time, see
 :mod:`rechunk_p2p.store.disk_blocks`).
 
 Where it runs: task threads and the offload pool (gathering), the store's flush thread
-(writing); blocking. The buffering half of :class:`~rechunk_p2p.store.disk.DiskShardStore`,
+(writing); blocking. The buffering half of :class:`~rechunk_p2p.store.disk.DiskPieceStore`,
 which holds the state named here and documents the locks.
 """
 
@@ -27,7 +27,7 @@ from rechunk_p2p.store.disk_blocks import (
     grouped,
     slabs,
 )
-from rechunk_p2p.store.ledger import ShardLedger, pair_keys
+from rechunk_p2p.store.ledger import PieceLedger, pair_keys
 
 
 class DiskWriteBuffer:
@@ -47,7 +47,7 @@ class DiskWriteBuffer:
     _flush_error: BaseException | None
     _groups: list[Group]
     _held: set[int]
-    _ledger: ShardLedger
+    _ledger: PieceLedger
     _release_locked: Callable[[], None]
     _write_rows_blocking: Callable[..., None]
 
@@ -58,18 +58,18 @@ class DiskWriteBuffer:
         total: int,
         pairs: Callable[[], np.ndarray],
     ) -> int:
-        """Add ``item`` (``total`` bytes of shards for ``outputs``; ``pairs``, their pair
+        """Add ``item`` (``total`` bytes of pieces for ``outputs``; ``pairs``, their pair
         keys) to the write buffer, once there is room; hand the buffer to the flush thread
         when it is half full. Returns ``total``."""
         with self._lock:
-            # room first: the write in flight and the gathered shards stay within the buffer
+            # room first: the write in flight and the gathered pieces stay within the buffer
             while self._flushing and (
                 self._flushing + self._pending_bytes + total > self._buffer_bytes
             ):
                 self._idle.wait()
             if self._closed:
                 self._ledger.forget_keys(pairs())
-                raise closed_error(self.kind, self.name, "write shards")
+                raise closed_error(self.kind, self.name, "write pieces")
             self._raise_flush_error_locked()
             self._pending.append(item)
             self._pending_bytes += total
@@ -91,7 +91,7 @@ class DiskWriteBuffer:
             return self._flusher
 
     def _take_full_locked(self) -> list[Pending]:
-        """The gathered shards to write in the background, once they are half the write
+        """The gathered pieces to write in the background, once they are half the write
         buffer and no write is in flight (else the flush thread takes them when it is done).
         Hold `_lock`."""
         if self._flushing or self._pending_bytes < max(self._buffer_bytes // 2, 1):
@@ -101,7 +101,7 @@ class DiskWriteBuffer:
         return self._take_pending_locked()
 
     def _flush_in_background_blocking(self, pending: list[Pending]) -> None:
-        """On the flush thread: write gathered shards, then those gathered meanwhile if they
+        """On the flush thread: write gathered pieces, then those gathered meanwhile if they
         are half the buffer; an error is kept for the store's next write or read to raise."""
         while pending:
             try:
@@ -125,16 +125,16 @@ class DiskWriteBuffer:
         return pending
 
     def _flush_blocking(self, pending: list[Pending]) -> None:
-        """Write gathered shards ordered by output and input, so that each output's shards
+        """Write gathered pieces ordered by output and input, so that each output's pieces
         lie one after another in the file: reading it back is one ``pread`` per flush.
         Regular batches are written a group at a time, one index row per output (see
         :mod:`rechunk_p2p.store.disk_blocks`)."""
         blocks = [p for p in pending if isinstance(p, Block)]
-        shards = [p for p in pending if not isinstance(p, Block)]
+        pieces = [p for p in pending if not isinstance(p, Block)]
         try:
-            if shards:
-                rows = np.concatenate([r for r, _ in shards])
-                views = [v for _, vs in shards for v in vs]
+            if pieces:
+                rows = np.concatenate([r for r, _ in pieces])
+                views = [v for _, vs in pieces for v in vs]
                 order = np.lexsort((rows["input"], rows["output"]))
                 self._write_rows_blocking(rows[order], [views[k] for k in order.tolist()])
             for outputs, members in grouped(blocks):
@@ -149,14 +149,14 @@ class DiskWriteBuffer:
         except RechunkRunError:
             if not self._closed:
                 raise
-            # closed meanwhile: the shards were accepted before, and dropped by the close
+            # closed meanwhile: the pieces were accepted before, and dropped by the close
 
 
-#: What the write buffer gathers: shards (their index rows and one view each), or a regular
+#: What the write buffer gathers: pieces (their index rows and one view each), or a regular
 #: batch whole.
 Pending = tuple[np.ndarray, list[memoryview]] | Block
 
 
 def _group_keys(outputs: np.ndarray, group: Group) -> np.ndarray:
-    """The pair keys of the shards of ``group`` for ``outputs``."""
+    """The pair keys of the pieces of ``group`` for ``outputs``."""
     return pair_keys(*group_pairs(outputs, group))

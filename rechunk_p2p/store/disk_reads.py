@@ -1,8 +1,8 @@
-"""Reading a disk store's shards back: one output's shards as arrays, into the output, or
+"""Reading a disk store's pieces back: one output's pieces as arrays, into the output, or
 stacked in input order.
 
 Where it runs: task threads (assembling an output), blocking. The reading half of
-:class:`~rechunk_p2p.store.disk.DiskShardStore`, which holds the state named here.
+:class:`~rechunk_p2p.store.disk.DiskPieceStore`, which holds the state named here.
 """
 
 from __future__ import annotations
@@ -20,24 +20,24 @@ from rechunk_p2p.store.base import closed_error, owned_array, place_blocking
 from rechunk_p2p.store.direct import DirectFile
 from rechunk_p2p.store.disk_blocks import Group, expand_rows
 from rechunk_p2p.store.files import preadv_all, read_targets_blocking
-from rechunk_p2p.store.ledger import ShardLedger
+from rechunk_p2p.store.ledger import PieceLedger
 
 _READ_ADVICE = (
     "The spilled data was removed or truncated by something else, or the disk failed; "
-    "check the worker's local directory, or buffer shards in memory with "
+    "check the worker's local directory, or buffer pieces in memory with "
     'dask.config.set({"rechunk-p2p.storage": "memory"}).'
 )
 
 _T = TypeVar("_T")
 
-#: Below this many bytes per ``pread`` on average, an output's shards are read in runs of
+#: Below this many bytes per ``pread`` on average, an output's pieces are read in runs of
 #: the file into a staging buffer and gathered into place at once (see _gather_blocking).
 GATHER_BELOW = 4 << 10
 
 
 class DiskReads:
     """**Thread-safe (guarded by `_lock`).** The reads of a disk store (see
-    :class:`~rechunk_p2p.store.disk.DiskShardStore` for the locks and the index)."""
+    :class:`~rechunk_p2p.store.disk.DiskPieceStore` for the locks and the index)."""
 
     name: str
     kind: str
@@ -55,7 +55,7 @@ class DiskReads:
     _index: dict[int, list[np.ndarray]]
     _held: set[int]
     _shapes: list[tuple[int, ...]]
-    _ledger: ShardLedger
+    _ledger: PieceLedger
     _release_locked: Callable[[], None]
     _groups: list[Group]
     _take_pending_locked: Callable[[], list]
@@ -66,9 +66,9 @@ class DiskReads:
     # -- reading -----------------------------------------------------------------------
 
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
-        """Read one output's shards back from disk, sorted by input index.
+        """Read one output's pieces back from disk, sorted by input index.
 
-        See :meth:`rechunk_p2p.store.base.ShardStore.read_blocking`. Each array is read
+        See :meth:`rechunk_p2p.store.base.PieceStore.read_blocking`. Each array is read
         straight into its own freshly allocated buffer.
         """
         return self._read_output_blocking(output, self._read_entries_blocking)
@@ -76,10 +76,10 @@ class DiskReads:
     def read_into_blocking(
         self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
     ) -> list[int]:
-        """Read each shard of ``output`` straight into ``out[placement[input]]``; discard it.
+        """Read each piece of ``output`` straight into ``out[placement[input]]``; discard it.
 
         Where the target region of ``out`` is contiguous (e.g. a slab along the first axis),
-        ``preadv`` fills it directly: no buffer per shard and no second copy. Returns the
+        ``preadv`` fills it directly: no buffer per piece and no second copy. Returns the
         input indices placed.
         """
 
@@ -90,11 +90,11 @@ class DiskReads:
         return self._read_output_blocking(output, read)
 
     def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
-        """Read the shards of ``output`` one after another into C-contiguous ``out``, in the
+        """Read the pieces of ``output`` one after another into C-contiguous ``out``, in the
         order of the inputs ``order``, and discard them.
 
-        See :meth:`rechunk_p2p.store.memory.MemoryShardStore.read_stacked_blocking`. Each
-        run of shards that lie one after another in the data file too is one ``pread``
+        See :meth:`rechunk_p2p.store.memory.MemoryPieceStore.read_stacked_blocking`. Each
+        run of pieces that lie one after another in the data file too is one ``pread``
         straight into its bytes of ``out``. Returns the inputs placed, in order, stopping at
         the first one missing. Not for object dtype.
         """
@@ -181,12 +181,12 @@ class DiskReads:
         ends = np.cumsum(sorted_rows["nbytes"])
         if present == len(order) and (not len(ends) or int(ends[-1]) != target.nbytes):
             raise RechunkRunError(
-                f"The shards of output {output} in store {self.name!r} hold "
+                f"The pieces of output {output} in store {self.name!r} hold "
                 f"{int(ends[-1]) if len(ends) else 0} of its {target.nbytes} bytes"
             )
         if len(ends) and int(ends[-1]) > target.nbytes:
             raise RechunkRunError(
-                f"The shards of output {output} in store {self.name!r} overflow its "
+                f"The pieces of output {output} in store {self.name!r} overflow its "
                 f"{target.nbytes} bytes"
             )
         starts = ends - sorted_rows["nbytes"]
@@ -197,7 +197,7 @@ class DiskReads:
             place = _stacking_into(stack, starts, sorted_rows["nbytes"])
             direct.read_blocking(offsets, sorted_rows["nbytes"], place)
             return [order[k] for k in range(present)]
-        # a new pread wherever the next shard does not follow the previous one in the file
+        # a new pread wherever the next piece does not follow the previous one in the file
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sorted_rows["nbytes"][:-1]) + 1
         if len(breaks) and int(ends[-1]) < GATHER_BELOW * (len(breaks) + 1):
             _gather_blocking(fd, offsets, sorted_rows["nbytes"], starts, out)
@@ -284,15 +284,15 @@ def _gather_blocking(
     fd: int, offsets: np.ndarray, sizes: np.ndarray, starts: np.ndarray, out: np.ndarray
 ) -> None:
     """Fill ``out``'s bytes ``starts[k]:starts[k] + sizes[k]`` from the file's
-    ``offsets[k]:`` for every ``k``: one ``pread`` per run of shards adjacent in the file
+    ``offsets[k]:`` for every ``k``: one ``pread`` per run of pieces adjacent in the file
     into a staging buffer, then one gather into ``out`` (in units of the dtype's item where
-    the sizes allow). For outputs of many small shards whose order on disk is not theirs in
-    the output (shards that came in different flushes interleave)."""
+    the sizes allow). For outputs of many small pieces whose order on disk is not theirs in
+    the output (pieces that came in different flushes interleave)."""
     by_file = np.argsort(offsets, kind="stable")
     o, s = offsets[by_file], sizes[by_file]
     total = int(s.sum())
     stage = np.empty(total, dtype=np.uint8)
-    at = np.cumsum(s) - s  # where each shard lies in the staging buffer, in file order
+    at = np.cumsum(s) - s  # where each piece lies in the staging buffer, in file order
     runs = np.flatnonzero(o[1:] != o[:-1] + s[:-1]) + 1
     for lo, hi in itertools.pairwise([0, *runs.tolist(), len(o)]):
         first, last = int(at[lo]), int(at[hi - 1] + s[hi - 1])
@@ -339,7 +339,7 @@ def _stacking_into(
 ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
     """A ``place`` for :meth:`DirectFile.read_blocking` that copies row ``k`` (``nbytes[k]``
     bytes) to ``target[starts[k]:]``: one slice copy per run of rows that follow each other
-    in the staging buffer and in ``target`` alike (a flush's shards of one output lie in
+    in the staging buffer and in ``target`` alike (a flush's pieces of one output lie in
     input order, so runs are long), and no temporary copy."""
 
     def place(stage: np.ndarray, picked: np.ndarray, positions: np.ndarray) -> None:

@@ -104,7 +104,7 @@ def read_targets_blocking(fd: int, targets: list[tuple[int, memoryview]]) -> Non
 
 def safe_name(name: str) -> str:
     """Return ``name`` reduced to a safe single path component."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:100] or "shard-store"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:100] or "piece-store"
 
 
 #: Name of the directory the worker plugin keeps its stores in, under the local directory.

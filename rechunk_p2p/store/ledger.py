@@ -1,11 +1,11 @@
-"""Which shards a store holds: the ``(output, input)`` pairs it accepted, kept as runs.
+"""Which pieces a store holds: the ``(output, input)`` pairs it accepted, kept as runs.
 
 Where it runs: pure bookkeeping, under the owning store's lock (task threads and the offload
 pool).
 
-A store drops a shard whose pair it accepted before, so a retried delivery or a continued
+A store drops a piece whose pair it accepted before, so a retried delivery or a continued
 run's resend never duplicates data. A set of one entry per pair cost about 70 bytes and a
-Python step per shard: a rechunk of thin held rows into column strips has millions of shards
+Python step per piece: a rechunk of thin held rows into column strips has millions of pieces
 of a few dozen bytes each on every worker, and that set outweighed the data. Here the outputs
 accepted from one input are kept as runs of consecutive flat indices (a regular cut sends
 each worker a run of outputs, so usually one run per input and worker), checked and updated
@@ -25,16 +25,16 @@ from rechunk_p2p.errors import RechunkRunError
 
 @dataclass(frozen=True, slots=True)
 class StoreStatistics:
-    """**Immutable.** A snapshot of a shard store's counters.
+    """**Immutable.** A snapshot of a piece store's counters.
 
     Attributes
     ----------
     kind
         ``"disk"`` or ``"memory"``.
-    shards
-        Distinct shards accepted since the store was created.
+    pieces
+        Distinct pieces accepted since the store was created.
     duplicates
-        Shards dropped because their ``(output, input)`` pair was already stored.
+        Pieces dropped because their ``(output, input)`` pair was already stored.
     bytes_written
         Payload bytes accepted (for disk: bytes spilled to the data file, which for object
         dtype is the pickled size).
@@ -46,14 +46,14 @@ class StoreStatistics:
     outputs
         Output indices that currently have data.
     max_bytes_in_memory
-        The most shard bytes the store held in memory at once (memory: everything it held;
+        The most piece bytes the store held in memory at once (memory: everything it held;
         disk: its write buffer, both halves).
     bytes_spilled
         Of ``bytes_written``, the bytes written to disk.
     """
 
     kind: str
-    shards: int
+    pieces: int
     duplicates: int
     bytes_written: int
     bytes_read: int
@@ -68,7 +68,7 @@ class StoreStatistics:
 #: graph of 2**31 chunks does not fit in memory), and keys made with numpy stay within int64.
 _PAIR_BASE = 1 << 32
 _MAX_OUTPUTS = 1 << 31
-_OUT_OF_RANGE = "Chunk indices out of range for the shard ledger"
+_OUT_OF_RANGE = "Chunk indices out of range for the piece ledger"
 
 
 def pair_keys(
@@ -133,7 +133,7 @@ def _increasing(values: np.ndarray) -> bool:
     return len(values) < 2 or bool((values[1:] > values[:-1]).all())
 
 
-class ShardLedger:
+class PieceLedger:
     """**Guarded by the owning store's lock** (not thread-safe on its own). The bookkeeping
     every store shares: which ``(output, input)`` pairs were stored, and the byte counters.
     """
@@ -145,13 +145,13 @@ class ShardLedger:
         "bytes_written",
         "duplicates",
         "max_bytes_in_memory",
-        "shards",
+        "pieces",
     )
 
     def __init__(self) -> None:
         # input -> (starts, ends) of the runs of outputs accepted from it
         self._held: dict[int, tuple[list[int], list[int]]] = {}
-        self.shards = 0
+        self.pieces = 0
         self.duplicates = 0
         self.bytes_written = 0
         self.bytes_read = 0
@@ -159,7 +159,7 @@ class ShardLedger:
         self.max_bytes_in_memory = 0
 
     def in_memory(self, nbytes: int) -> None:
-        """The store holds ``nbytes`` of shards in memory now (keeps the peak)."""
+        """The store holds ``nbytes`` of pieces in memory now (keeps the peak)."""
         self.max_bytes_in_memory = max(self.max_bytes_in_memory, nbytes)
 
     def admit_batch(
@@ -239,10 +239,10 @@ class ShardLedger:
         for input_ in np.unique(ins).tolist():
             self.forget_batch(input_, outs[ins == input_])
 
-    def stored(self, shards: int, nbytes: int, held: bool = True) -> None:
-        """``shards`` of ``nbytes`` were accepted (and are held, unless the store closed
+    def stored(self, pieces: int, nbytes: int, held: bool = True) -> None:
+        """``pieces`` of ``nbytes`` were accepted (and are held, unless the store closed
         meanwhile)."""
-        self.shards += shards
+        self.pieces += pieces
         self.bytes_written += nbytes
         if held:
             self.bytes_buffered += nbytes
@@ -260,7 +260,7 @@ class ShardLedger:
     def statistics(self, kind: str, outputs: int) -> StoreStatistics:
         return StoreStatistics(
             kind=kind,
-            shards=self.shards,
+            pieces=self.pieces,
             duplicates=self.duplicates,
             bytes_written=self.bytes_written,
             bytes_read=self.bytes_read,

@@ -1,4 +1,4 @@
-"""A shard store that keeps shards in memory.
+"""A piece store that keeps pieces in memory.
 
 Where it runs: offload pool and task threads (blocking; never on the event loop).
 """
@@ -13,29 +13,29 @@ import numpy as np
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.store.base import (
     SMALL_COPY_BYTES,
-    Shard,
+    Piece,
     StoreStatistics,
-    check_shard,
+    check_piece,
     closed_error,
     copy_into_blocking,
     owned_array,
     place_blocking,
 )
-from rechunk_p2p.store.ledger import ShardLedger
+from rechunk_p2p.store.ledger import PieceLedger
 from rechunk_p2p.transport.wire import Packed, unpack_blocking
 
 
-class MemoryShardStore:
+class MemoryPieceStore:
     """**Thread-safe (guarded by `_lock`).** Keeps the arrays it is given, per output.
 
-    Arrays are stored as given (no copy), so a shard that is a view keeps its base alive and
+    Arrays are stored as given (no copy), so a piece that is a view keeps its base alive and
     the writer must not modify an array after handing it over. Reads return the stored
     arrays themselves when they are C-contiguous and writeable, otherwise a C-ordered copy.
 
     Parameters
     ----------
     dtype
-        The dtype of every shard.
+        The dtype of every piece.
     name
         Names the store in error messages.
     """
@@ -48,40 +48,40 @@ class MemoryShardStore:
         self._lock = threading.Lock()
         self._closed = False
         self._data: dict[int, dict[int, np.ndarray]] = {}
-        self._ledger = ShardLedger()
+        self._ledger = PieceLedger()
 
     def __repr__(self) -> str:
-        return f"<MemoryShardStore {self.name!r} dtype={self.dtype}>"
+        return f"<MemoryPieceStore {self.name!r} dtype={self.dtype}>"
 
-    def write_blocking(self, shards: Iterable[Shard]) -> int:
-        """Store shards, dropping ``(output, input)`` pairs already stored.
+    def write_blocking(self, pieces: Iterable[Piece]) -> int:
+        """Store pieces, dropping ``(output, input)`` pairs already stored.
 
-        See :meth:`rechunk_p2p.store.base.ShardStore.write_blocking`.
+        See :meth:`rechunk_p2p.store.base.PieceStore.write_blocking`.
         """
-        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        batch = [check_piece(s, self.dtype, self.kind, self.name) for s in pieces]
         accepted = 0
         with self._lock:
             if self._closed:
-                raise closed_error(self.kind, self.name, "write shards")
-            shards = 0
+                raise closed_error(self.kind, self.name, "write pieces")
+            pieces = 0
             for output, input_, array in batch:
                 if self._ledger.admit(output, input_):
                     self._data.setdefault(output, {})[input_] = array
                     accepted += array.nbytes
-                    shards += 1
-            self._ledger.stored(shards, accepted)
+                    pieces += 1
+            self._ledger.stored(pieces, accepted)
             self._ledger.in_memory(self._ledger.bytes_buffered)
         return accepted
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
-        """Store the shards of batches as they came off the wire (views of their payloads:
-        a batch's payload is freed once every shard of it was read)."""
+        """Store the pieces of batches as they came off the wire (views of their payloads:
+        a batch's payload is freed once every piece of it was read)."""
         return self.write_blocking(s for p in batch for s in unpack_blocking(p, self.dtype))
 
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Return the ``(input index, array)`` pairs of one output, sorted by input index.
 
-        See :meth:`rechunk_p2p.store.base.ShardStore.read_blocking`.
+        See :meth:`rechunk_p2p.store.base.PieceStore.read_blocking`.
         """
         with self._lock:
             if self._closed:
@@ -93,7 +93,7 @@ class MemoryShardStore:
     def read_into_blocking(
         self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
     ) -> list[int]:
-        """Copy each shard of ``output`` into ``out[placement[input]]`` and discard it.
+        """Copy each piece of ``output`` into ``out[placement[input]]`` and discard it.
 
         Returns the input indices placed. No intermediate copy is made.
         """
@@ -108,19 +108,19 @@ class MemoryShardStore:
         return list(arrays)
 
     def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
-        """Copy the shards of ``output`` one after another into C-contiguous ``out``, in the
+        """Copy the pieces of ``output`` one after another into C-contiguous ``out``, in the
         order of the inputs ``order``, and discard them.
 
-        For outputs whose shards lie one after another in memory
-        (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`): one copy per shard into the
+        For outputs whose pieces lie one after another in memory
+        (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`): one copy per piece into the
         next bytes of ``out`` (:func:`~rechunk_p2p.store.base.copy_into_blocking`), and
-        nothing else per shard. Returns the inputs placed, in order,
+        nothing else per piece. Returns the inputs placed, in order,
         stopping at the first one missing. Not for object dtype.
 
         Raises
         ------
         RechunkRunError
-            The store is closed, or the shards do not fill ``out`` exactly.
+            The store is closed, or the pieces do not fill ``out`` exactly.
         """
         with self._lock:
             if self._closed:
@@ -139,8 +139,8 @@ class MemoryShardStore:
             if end > target.nbytes:
                 break
             if 0 < array.nbytes <= SMALL_COPY_BYTES and array.flags.c_contiguous:
-                # the usual shard (thousands per output): one memcpy with the GIL held, no
-                # copy_into_blocking checks (their cost exceeds a small shard's copy)
+                # the usual piece (thousands per output): one memcpy with the GIL held, no
+                # copy_into_blocking checks (their cost exceeds a small piece's copy)
                 bytes_of[offset:end] = memoryview(array.reshape(-1).view(np.uint8))
             elif array.nbytes:
                 contiguous = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -149,7 +149,7 @@ class MemoryShardStore:
             placed.append(input_)
         if offset != target.nbytes:
             raise RechunkRunError(
-                f"The shards of output {output} in store {self.name!r} hold {offset} of its "
+                f"The pieces of output {output} in store {self.name!r} hold {offset} of its "
                 f"{target.nbytes} bytes"
             )
         return placed

@@ -1,11 +1,11 @@
-"""A run's shards split by output: the first outputs filled in memory, the rest spilled.
+"""A run's pieces split by output: the first outputs filled in memory, the rest spilled.
 
 Where it runs: task threads and the offload pool (blocking; never on an event loop).
 
 ``storage: auto`` chooses this store when a worker's share of a run is larger than its memory
-budget: rather than spilling every shard, the outputs that fit the budget are filled in
-memory as their shards arrive (:class:`AssemblingMemoryStore`) and only the others go to
-disk (:class:`DiskShardStore`). Each output lives in exactly one of the two stores, chosen
+budget: rather than spilling every piece, the outputs that fit the budget are filled in
+memory as their pieces arrive (:class:`AssemblingMemoryStore`) and only the others go to
+disk (:class:`DiskPieceStore`). Each output lives in exactly one of the two stores, chosen
 when the store is made, so every read and write goes to one of them.
 """
 
@@ -16,14 +16,14 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from rechunk_p2p.store.assembling import AssemblingMemoryStore
-from rechunk_p2p.store.base import Shard, StoreStatistics, check_shard
-from rechunk_p2p.store.disk import DiskShardStore
+from rechunk_p2p.store.base import Piece, StoreStatistics, check_piece
+from rechunk_p2p.store.disk import DiskPieceStore
 from rechunk_p2p.transport.wire import Packed, split_packed_blocking
 
 
 class SplitStore:
     """**Thread-safe** (each part guards itself; the split never changes). Outputs
-    ``in_memory`` are assembled in memory, every other output's shards are spilled.
+    ``in_memory`` are assembled in memory, every other output's pieces are spilled.
 
     Parameters
     ----------
@@ -39,7 +39,7 @@ class SplitStore:
     kind = "memory+disk"
 
     def __init__(
-        self, memory: AssemblingMemoryStore, disk: DiskShardStore, in_memory: np.ndarray
+        self, memory: AssemblingMemoryStore, disk: DiskPieceStore, in_memory: np.ndarray
     ) -> None:
         self.memory = memory
         self.disk = disk
@@ -65,10 +65,10 @@ class SplitStore:
 
     # -- writing -----------------------------------------------------------------------
 
-    def write_blocking(self, shards: Iterable[Shard]) -> int:
-        """Store shards in the part that holds their output; the bytes accepted. The whole
+    def write_blocking(self, pieces: Iterable[Piece]) -> int:
+        """Store pieces in the part that holds their output; the bytes accepted. The whole
         batch is checked before either part stores anything."""
-        batch = [check_shard(s, self.dtype, self.kind, self.name) for s in shards]
+        batch = [check_piece(s, self.dtype, self.kind, self.name) for s in pieces]
         mask = self._mask(s[0] for s in batch).tolist()
         here = [s for s, m in zip(batch, mask) if m]
         spilled = [s for s, m in zip(batch, mask) if not m]
@@ -104,17 +104,17 @@ class SplitStore:
         return self.memory.take_output_blocking(output)
 
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
-        """A spilled output's shards (:meth:`DiskShardStore.read_blocking`)."""
+        """A spilled output's pieces (:meth:`DiskPieceStore.read_blocking`)."""
         return self.disk.read_blocking(output)
 
     def read_into_blocking(
         self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
     ) -> list[int]:
-        """A spilled output read into ``out`` (:meth:`DiskShardStore.read_into_blocking`)."""
+        """A spilled output read into ``out`` (:meth:`DiskPieceStore.read_into_blocking`)."""
         return self.disk.read_into_blocking(output, out, placement)
 
     def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
-        """A spilled output read into ``out`` (:meth:`DiskShardStore.read_stacked_blocking`)."""
+        """A spilled output read into ``out`` (:meth:`DiskPieceStore.read_stacked_blocking`)."""
         return self.disk.read_stacked_blocking(output, out, order)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -132,7 +132,7 @@ class SplitStore:
         a, b = self.memory.statistics(), self.disk.statistics()
         return StoreStatistics(
             kind=self.kind,
-            shards=a.shards + b.shards,
+            pieces=a.pieces + b.pieces,
             duplicates=a.duplicates + b.duplicates,
             bytes_written=a.bytes_written + b.bytes_written,
             bytes_read=a.bytes_read + b.bytes_read,

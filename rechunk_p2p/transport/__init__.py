@@ -1,4 +1,4 @@
-"""Moving shards between workers: the wire format, the send buffer and its byte limits, and
+"""Moving pieces between workers: the wire format, the send buffer and its byte limits, and
 the data plane that carries batches from one worker to another.
 
 Where it runs: task threads pack and put (:mod:`~rechunk_p2p.transport.wire`,

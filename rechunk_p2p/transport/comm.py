@@ -1,11 +1,11 @@
-"""The send side of a run: batches packed shards per destination, sends with back-pressure.
+"""The send side of a run: batches packed pieces per destination, sends with back-pressure.
 
 Where it runs: the data plane's event loop, but for ``CommBuffer.put_blocking``, which task
-threads call. Shards arrive already cut and packed (task threads do that, see
+threads call. Pieces arrive already cut and packed (task threads do that, see
 :mod:`rechunk_p2p.transport.wire`); a thread holds their bytes under the limits and hands them to
 the loop without waiting for it; the loop only queues, batches and awaits sends.
 
-A destination's shards wait until they make a message (``message_bytes``), so that a worker
+A destination's pieces wait until they make a message (``message_bytes``), so that a worker
 sends about as many messages to each peer as the bytes between them need, however many peers
 share its buffer (each message costs both ends a fixed amount of loop and system time). Short
 queues go at the barrier (:meth:`CommBuffer.flush`), and whenever a thread must wait for
@@ -88,7 +88,7 @@ class CommStatistics:
 
 class CommBuffer:
     """**Loop-confined** (to ``loop``), but for :meth:`put_blocking`, which task threads
-    call. Per-destination queues of packed shards, sent in bounded batches.
+    call. Per-destination queues of packed pieces, sent in bounded batches.
 
     Parameters
     ----------
@@ -145,14 +145,14 @@ class CommBuffer:
         self._phase = SendPhase.SENDING
         self._exception: BaseException | None = None  # set with FAILED
         self._failed_on: str | None = None  # the address whose send failed, with FAILED
-        self._departed: set[str] = set()  # peers that left the run: their shards are dropped
+        self._departed: set[str] = set()  # peers that left the run: their pieces are dropped
         self._bytes_queued = 0
         self._max_bytes_queued = 0
         self._send_seconds = 0.0
         self._bytes_sent = 0
         self._messages = 0
         self._retries = 0
-        # shards put by task threads, staged until a message's worth is there (or until
+        # pieces put by task threads, staged until a message's worth is there (or until
         # the barrier, a thread waits for room, or the buffer stops)
         self._inbox: deque[tuple[str, Packed, int]] = deque()
         self._inbox_lock = threading.Lock()
@@ -163,7 +163,7 @@ class CommBuffer:
             limiter.add_before_wait(self._hand_on_quietly)
 
     def put_blocking(self, batches: dict[str, Packed]) -> None:
-        """From a task thread: queue packed shards per destination.
+        """From a task thread: queue packed pieces per destination.
 
         Holds their bytes under the run's and the worker's limits first, waiting only while
         a buffer is full; then stages them for the loop without waiting for it. The loop is
@@ -187,12 +187,12 @@ class CommBuffer:
                 self._inbox.append((address, packed, nbytes))
                 self._inbox_bytes += nbytes
                 due = self._inbox_bytes >= self._message_bytes
-            # stopped meanwhile: the loop must still drop the shards and give their bytes back
+            # stopped meanwhile: the loop must still drop the pieces and give their bytes back
             if due or self._phase is not SendPhase.SENDING:
                 self._hand_on()
 
     def _hand_on(self, press: bool = False) -> None:
-        """From a thread: have the loop take the staged shards (one wake-up for all);
+        """From a thread: have the loop take the staged pieces (one wake-up for all);
         ``press``: and send every queue, full or not."""
         with self._inbox_lock:
             self._press |= press
@@ -234,7 +234,7 @@ class CommBuffer:
     def _send_all(self) -> None:
         """On the loop: send every queue, full or not, until all are empty."""
         if not any(self._queues.values()):
-            return  # (nothing waits: later shards wait for a message's worth again)
+            return  # (nothing waits: later pieces wait for a message's worth again)
         self._eager = True
         if self._phase is SendPhase.SENDING:
             for address in list(self._queues):
@@ -289,7 +289,7 @@ class CommBuffer:
             raise RechunkRunError(f"{self._name}: send buffer cannot go {self._phase} -> {phase}")
         if phase is SendPhase.FAILED:
             self._exception = error
-            # shards queued for the other peers are kept (the failure may be forgotten: see
+            # pieces queued for the other peers are kept (the failure may be forgotten: see
             # forget) but no longer held under the limits, which threads of other runs wait
             # on; they are sent, or dropped when the buffer closes
             for queue in self._queues.values():
@@ -341,7 +341,7 @@ class CommBuffer:
         finally:
             if self._drainers.get(address) is asyncio.current_task():
                 del self._drainers[address]  # (forget and close take it out themselves)
-            # failed: the other peers' shards wait (the failure may be forgotten, see
+            # failed: the other peers' pieces wait (the failure may be forgotten, see
             # forget); closed: dropped
             if self._phase is SendPhase.CLOSED:
                 self._drop(address)
@@ -393,7 +393,7 @@ class CommBuffer:
 
     def _undeliverable(self, address: str, why: str) -> RechunkCommError:
         return RechunkCommError(
-            f"{self._name}: cannot deliver shards to the data plane at {address} within "
+            f"{self._name}: cannot deliver pieces to the data plane at {address} within "
             f"{self._retry.timeout:g} s ({why}); is that worker reachable on its data-plane "
             "port? (rechunk-p2p.comm.timeout, rechunk-p2p.dataplane.port)"
         )
@@ -410,7 +410,7 @@ class CommBuffer:
     def forget(self, addresses: set[str]) -> None:
         """Peers that left the run: drop what is queued for them, stop sending to them, and
         drop what is put for them later. A failure to reach one of them is forgotten too
-        (the run goes on without them; their shards are sent to other workers instead)."""
+        (the run goes on without them; their pieces are sent to other workers instead)."""
         self._departed |= addresses
         self._take_inbox()  # (theirs are dropped as they are queued)
         for address in addresses:

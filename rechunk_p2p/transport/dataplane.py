@@ -1,8 +1,8 @@
-"""The data plane: a worker's shard traffic on an event loop of its own.
+"""The data plane: a worker's piece traffic on an event loop of its own.
 
 Where it runs: the data plane's event loop, in a dedicated thread of each worker process.
 
-Bulk bytes never touch the worker's own event loop: shards are sent through a
+Bulk bytes never touch the worker's own event loop: pieces are sent through a
 :class:`distributed.core.ConnectionPool` and received by a listener that both live on this
 loop, with the worker's security settings (so TLS still applies). Reading large messages off
 sockets therefore delays this loop, not the one that answers heartbeats and schedules tasks.
@@ -30,7 +30,7 @@ from rechunk_p2p.transport.wire import Packed
 logger = logging.getLogger(__name__)
 
 ReceiveFn = Callable[[str, int, list[Packed]], Awaitable[None]]
-SHARDS_OP = "rechunk_p2p_shards"
+PIECES_OP = "rechunk_p2p_pieces"
 
 
 #: Outgoing connections a data plane keeps open at once (idle ones are reused per peer). Sends
@@ -41,7 +41,7 @@ _OPEN_CONNECTIONS = 512
 
 class DataPlane:
     """**Loop-confined** (its own loop), with blocking lifecycle methods for other threads.
-    Listener, connection pool and send limits of one worker's shard traffic.
+    Listener, connection pool and send limits of one worker's piece traffic.
 
     ``start_blocking`` and ``stop_blocking`` are called from any thread but the data plane's
     loop (they hop onto it and wait); every other method and attribute belongs to the data
@@ -158,16 +158,16 @@ class DataPlane:
     async def send(
         self, address: str, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]
     ) -> None:
-        """Deliver one batch of packed shards to the data plane at ``address``; await its ack.
+        """Deliver one batch of packed pieces to the data plane at ``address``; await its ack.
 
         Each :class:`Packed` travels as a header (three lists of small integers, one entry
-        per shard, msgpack-encoded on this loop) and one payload frame. The frame's bytes never
+        per piece, msgpack-encoded on this loop) and one payload frame. The frame's bytes never
         pass through Python here; the header costs this loop a few hundred nanoseconds per
-        shard, which is why transfer tasks pack all of an input chunk's shards for one worker
+        piece, which is why transfer tasks pack all of an input chunk's pieces for one worker
         into one :class:`Packed`.
         """
         assert self._pool is not None
-        await getattr(self._pool(address), SHARDS_OP)(
+        await getattr(self._pool(address), PIECES_OP)(
             shuffle_id=shuffle_id,
             run_id=run_id,
             headers=[p.header() for p in batch],
@@ -194,7 +194,7 @@ class DataPlane:
         op = msg.get("op")
         if op == "close":
             raise OSError("closed by peer")
-        if op != SHARDS_OP:
+        if op != PIECES_OP:
             return error_message(ValueError(f"Unknown data plane operation {op!r}"))
         try:
             batch = [Packed.from_message(h, p) for h, p in zip(msg["headers"], msg["payloads"])]

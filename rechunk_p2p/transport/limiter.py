@@ -2,7 +2,7 @@
 
 Where it runs: task threads wait in :meth:`ByteLimiter.acquire_blocking`; the data plane's
 event loop gives bytes back with :meth:`ByteLimiter.release`, which never blocks (one short
-critical section). Nothing here awaits: a task thread that has room queues its shards without
+critical section). Nothing here awaits: a task thread that has room queues its pieces without
 a round trip to the loop.
 """
 
@@ -33,7 +33,7 @@ class ByteLimiter:
     exceed a limit.
 
     A single request larger than the limit is admitted when nothing else is held, so the
-    limiter can never deadlock on one oversized shard batch.
+    limiter can never deadlock on one oversized piece batch.
 
     Parameters
     ----------
@@ -53,7 +53,7 @@ class ByteLimiter:
     def add_before_wait(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` (from the waiting thread, without the lock) whenever a caller is
         about to wait for room: a holder of bytes that are not on their way to being
-        released (shards staged until more come) hands them on, so waiting cannot
+        released (pieces staged until more come) hands them on, so waiting cannot
         deadlock on them."""
         with self._lock:
             self._before_wait.append(hook)

@@ -1,9 +1,9 @@
-"""Packing many shards into one buffer for the wire, and unpacking them again.
+"""Packing many pieces into one buffer for the wire, and unpacking them again.
 
 Where it runs: task threads (``pack_blocking``) and the offload pool (``unpack_blocking``);
-never on an event loop. Packing turns every shard bound for one worker into one header of
+never on an event loop. Packing turns every piece bound for one worker into one header of
 small integers and one contiguous payload, so that sending and receiving cost the data plane's
-loop the same few operations whatever the number of shards.
+loop the same few operations whatever the number of pieces.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import numpy as np
 
 from rechunk_p2p.errors import RechunkRunError
 
-Shard = tuple[int, int, np.ndarray]
+Piece = tuple[int, int, np.ndarray]
 """``(output index, input index, array)``; flat indices within one sub-shuffle."""
 
 
 @dataclass(frozen=True, slots=True)
 class Packed:
-    """**Immutable.** Shards of one sender for one destination, as header and payload.
+    """**Immutable.** Pieces of one sender for one destination, as header and payload.
 
-    ``outputs[i]``, ``inputs[i]`` and ``shapes[i]`` describe shard ``i``; its elements lie
-    in ``payload`` (raw bytes, one shard after another; pickled arrays for object dtype).
+    ``outputs[i]``, ``inputs[i]`` and ``shapes[i]`` describe piece ``i``; its elements lie
+    in ``payload`` (raw bytes, one piece after another; pickled arrays for object dtype).
     """
 
     outputs: tuple[int, ...]
@@ -38,7 +38,7 @@ class Packed:
 
     @property
     def regular(self) -> bool:
-        """Whether the batch has shards, all from one input and of one shape (a regular
+        """Whether the batch has pieces, all from one input and of one shape (a regular
         cut's batch, as :func:`pack_blocks` makes it)."""
         n = len(self.outputs)
         inputs, shapes = self.inputs, self.shapes
@@ -46,7 +46,7 @@ class Packed:
 
     def header(self) -> dict:
         """The small part of the message (msgpack-friendly lists). A :attr:`regular` batch
-        names its input and shape once, instead of once per shard (a batch of 4 KiB shards
+        names its input and shape once, instead of once per piece (a batch of 4 KiB pieces
         holds 512 of them)."""
         if self.regular:
             shape = list(self.shapes[0])
@@ -71,18 +71,18 @@ class Packed:
         )
 
 
-def pack_blocking(shards: list[Shard], dtype: np.dtype) -> Packed:
-    """Copy shards into one contiguous payload (pickled for object dtype)."""
-    outputs = tuple(s[0] for s in shards)
-    inputs = tuple(s[1] for s in shards)
-    shapes = tuple(s[2].shape for s in shards)
+def pack_blocking(pieces: list[Piece], dtype: np.dtype) -> Packed:
+    """Copy pieces into one contiguous payload (pickled for object dtype)."""
+    outputs = tuple(s[0] for s in pieces)
+    inputs = tuple(s[1] for s in pieces)
+    shapes = tuple(s[2].shape for s in pieces)
     if dtype.hasobject:
-        data = pickle.dumps([s[2] for s in shards], protocol=5)
+        data = pickle.dumps([s[2] for s in pieces], protocol=5)
         return Packed(outputs, inputs, shapes, np.frombuffer(data, dtype="u1"))
     itemsize = dtype.itemsize
-    payload = np.empty(sum(s[2].size for s in shards) * itemsize, dtype="u1")
+    payload = np.empty(sum(s[2].size for s in pieces) * itemsize, dtype="u1")
     offset = 0
-    for _, _, arr in shards:
+    for _, _, arr in pieces:
         n = arr.size * itemsize
         if n:
             dst = payload[offset : offset + n].view(dtype).reshape(arr.shape)
@@ -92,7 +92,7 @@ def pack_blocking(shards: list[Shard], dtype: np.dtype) -> Packed:
 
 
 def pack_blocks(outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.dtype) -> Packed:
-    """Shards ``blocks[i]`` (of output ``outputs[i]``, all from ``input_``) as one batch.
+    """Pieces ``blocks[i]`` (of output ``outputs[i]``, all from ``input_``) as one batch.
 
     ``blocks`` is C-contiguous (a slice of what
     :func:`~rechunk_p2p.cutting.regular.cut_regular_blocking` returns): the payload is a view
@@ -105,14 +105,14 @@ def pack_blocks(outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.
 
 
 def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | None:
-    """``(input, blocks)`` when every shard of a batch comes from one input and has one
-    shape (a regular cut's batch, as :func:`pack_blocks` makes it): shard ``i`` is
+    """``(input, blocks)`` when every piece of a batch comes from one input and has one
+    shape (a regular cut's batch, as :func:`pack_blocks` makes it): piece ``i`` is
     ``blocks[i]``, all of them one view of the payload. ``None`` for any other batch.
 
     Raises
     ------
     RechunkRunError
-        The payload's size does not match the shards' shapes.
+        The payload's size does not match the pieces' shapes.
     """
     if dtype.hasobject or not packed.regular:
         return None
@@ -122,7 +122,7 @@ def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | N
 
 
 def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
-    """The byte count of each shard of ``packed`` (fixed-width ``dtype``), checked against
+    """The byte count of each piece of ``packed`` (fixed-width ``dtype``), checked against
     its payload."""
     shapes = packed.shapes
     if shapes and all(s == shapes[0] for s in shapes):
@@ -137,11 +137,11 @@ def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
 def split_packed_blocking(
     packed: Packed, keep: np.ndarray, dtype: np.dtype
 ) -> tuple[Packed, Packed]:
-    """``packed`` as two batches: the shards where ``keep`` is true, and the others.
+    """``packed`` as two batches: the pieces where ``keep`` is true, and the others.
 
-    When the kept shards come first (a batch's outputs are ascending, and a worker's outputs
+    When the kept pieces come first (a batch's outputs are ascending, and a worker's outputs
     split at one output), both batches view the payload; otherwise each gets a copy of its
-    shards' bytes. Not for object dtype.
+    pieces' bytes. Not for object dtype.
 
     Examples
     --------
@@ -171,7 +171,7 @@ def split_packed_blocking(
 
 
 def _subset(packed: Packed, chosen: np.ndarray, payload: np.ndarray) -> Packed:
-    """The header of ``packed``'s shards ``chosen`` (ascending), with ``payload``."""
+    """The header of ``packed``'s pieces ``chosen`` (ascending), with ``payload``."""
     pick = chosen.tolist()
     return Packed(
         tuple(packed.outputs[i] for i in pick),
@@ -181,8 +181,8 @@ def _subset(packed: Packed, chosen: np.ndarray, payload: np.ndarray) -> Packed:
     )
 
 
-def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
-    """The shards of a packed batch, as arrays viewing its payload (no copy)."""
+def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Piece]:
+    """The pieces of a packed batch, as arrays viewing its payload (no copy)."""
     if dtype.hasobject:
         arrays = pickle.loads(packed.payload.tobytes())
         return list(zip(packed.outputs, packed.inputs, arrays))
@@ -192,20 +192,20 @@ def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Shard]:
         _check_payload(packed, count * dtype.itemsize)
         arrays = packed.payload.view(dtype).reshape(len(shapes), *shapes[0])
         return list(zip(packed.outputs, packed.inputs, arrays))
-    shards: list[Shard] = []
+    pieces: list[Piece] = []
     offset = 0
     itemsize = dtype.itemsize
     for out, inp, shape in zip(packed.outputs, packed.inputs, shapes):
         count = int(np.prod(shape, dtype=np.int64))
         n = count * itemsize
         arr = packed.payload[offset : offset + n].view(dtype).reshape(shape)
-        shards.append((out, inp, arr))
+        pieces.append((out, inp, arr))
         offset += n
     _check_payload(packed, offset)
-    return shards
+    return pieces
 
 
 def _check_payload(packed: Packed, need: int) -> None:
-    """Raise when ``packed``'s payload does not hold ``need`` bytes, its shards' total."""
+    """Raise when ``packed``'s payload does not hold ``need`` bytes, its pieces' total."""
     if need != packed.nbytes:
-        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its shards {need}")
+        raise RechunkRunError(f"Packed payload has {packed.nbytes} bytes, its pieces {need}")

@@ -302,14 +302,14 @@ class RechunkWorkerPlugin(WorkerPlugin):
     # --- handlers -------------------------------------------------------------------------
 
     async def receive(self, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]) -> None:
-        """On the data plane loop: store shards that another worker sent."""
+        """On the data plane loop: store pieces that another worker sent."""
         with self._lock:
             run = self.runs.get(shuffle_id)
         if run is None or run.run_id < run_id:
             run = await on_loop(self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id, run_id)
         if not run.run_spec.accepts(run_id):
             raise StaleRunError(
-                f"Shards for run {run_id} of rechunk {shuffle_id} reached "
+                f"Pieces for run {run_id} of rechunk {shuffle_id} reached "
                 f"{self.worker.address}, which runs run {run.run_id}"
             )
         await run.receive(batch)
@@ -348,7 +348,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
         Sent before the scheduler releases the barrier: ``keep`` are outputs of this worker
         whose tasks that release cancels; their results are kept for the continued run (their
-        shards are gone). A worker without the run fetches the continued one when it needs it.
+        pieces are gone). A worker without the run fetches the continued one when it needs it.
         """
         with self._lock:
             run = self.runs.get(shuffle_id)
@@ -381,7 +381,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
     # --- task threads ---------------------------------------------------------------------
 
     def transfer_blocking(self, shuffle_id: ShuffleId, flat: int, data: Any) -> int:
-        """From a transfer task: cut input ``flat`` into shards and send them; its run id."""
+        """From a transfer task: cut input ``flat`` into pieces and send them; its run id."""
         return self.get_run_blocking(shuffle_id).add_input_blocking(flat, data)
 
     def transfer_group_blocking(
@@ -413,7 +413,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         return _checked(response)
 
     def unpack_blocking(self, shuffle_id: ShuffleId, flat: int, run_id: RunId, key: Any) -> Any:
-        """From an unpack task: output ``flat`` of run ``run_id``, assembled from its shards.
+        """From an unpack task: output ``flat`` of run ``run_id``, assembled from its pieces.
 
         A task that runs on the wrong worker is pinned to the right one and rescheduled; a
         task of a run that was replaced is rescheduled (the scheduler released it already).
@@ -430,7 +430,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         try:
             return run.get_output_blocking(flat)
         except OutputConsumedError as e:
-            # its shards are gone with a result the worker dropped: only a new run has them
+            # its pieces are gone with a result the worker dropped: only a new run has them
             from_thread(self.worker.loop.asyncio_loop, self._restart, shuffle_id, run_id, str(e))
             raise Reschedule() from None
 

@@ -1,4 +1,4 @@
-"""Reading an output chunk back from a store that keeps shards: stacked where its inputs
+"""Reading an output chunk back from a store that keeps pieces: stacked where its inputs
 lie one after another in memory, else placed piece by piece, widened along axes of unknown
 chunk sizes.
 
@@ -17,11 +17,11 @@ from rechunk_p2p.store.base import empty_output, place_blocking
 
 
 def read_output_blocking(store: Any, spec: ShuffleSpec, flat: int) -> tuple[np.ndarray, list[int]]:
-    """Output ``flat`` read from a store that keeps shards, and the inputs it lacks."""
+    """Output ``flat`` read from a store that keeps pieces, and the inputs it lacks."""
     partial = spec.partial
     stacked = _stacked_inputs(spec, flat)
     placement = partial.output_placement(flat)
-    if stacked is not None:  # the output is its shards one after another
+    if stacked is not None:  # the output is its pieces one after another
         out = empty_output(partial.output_shape(flat), spec.dtype)
         received = store.read_stacked_blocking(flat, out, stacked)
         if received == stacked:
@@ -38,7 +38,7 @@ def read_output_blocking(store: Any, spec: ShuffleSpec, flat: int) -> tuple[np.n
     if extra:
         raise RechunkRunError(
             f"Output chunk {partial.output_index(flat)} of rechunk {spec.shuffle_id} got "
-            f"shards from input chunks {[partial.input_index(i) for i in extra][:10]}, "
+            f"pieces from input chunks {[partial.input_index(i) for i in extra][:10]}, "
             "which have no piece of it"
         )
     return out, sorted(set(placement) - set(received))
@@ -46,7 +46,7 @@ def read_output_blocking(store: Any, spec: ShuffleSpec, flat: int) -> tuple[np.n
 
 def _stacked_inputs(spec: ShuffleSpec, flat: int) -> list[int] | None:
     """The inputs of output ``flat`` in memory order, if the store can lay them one after
-    another (see :meth:`ShardStore.read_stacked_blocking`)."""
+    another (see :meth:`PieceStore.read_stacked_blocking`)."""
     if spec.unknown_axes or spec.dtype.hasobject:
         return None
     return spec.partial.stacked_inputs(flat)
@@ -56,14 +56,14 @@ def _read_unknown_blocking(
     store: Any, spec: ShuffleSpec, flat: int, placement: dict[int, tuple[slice, ...]]
 ) -> tuple[np.ndarray, list[int]]:
     """Output ``flat`` when some axes have unknown chunk sizes: its extent there is the
-    shards' (every shard spans its chunk along those axes)."""
-    shards = store.read_blocking(flat)
+    pieces' (every piece spans its chunk along those axes)."""
+    pieces = store.read_blocking(flat)
     shape = spec.partial.output_shape(flat)
-    if shards:
-        like = shards[0][1].shape
+    if pieces:
+        like = pieces[0][1].shape
         shape = tuple(like[a] if a in spec.unknown_axes else n for a, n in enumerate(shape))
     out = empty_output(shape, spec.dtype)
-    for input_, array in shards:
+    for input_, array in pieces:
         if input_ in placement:
             place_blocking(out, widen(placement[input_], spec.unknown_axes), array)
-    return out, [i for i, _ in shards]
+    return out, [i for i, _ in pieces]

@@ -1,4 +1,4 @@
-"""One worker's share of one run of a sub-shuffle: cut inputs, buffer shards, build outputs.
+"""One worker's share of one run of a sub-shuffle: cut inputs, buffer pieces, build outputs.
 
 Where it runs: ``add_input_blocking`` and ``get_output_blocking`` in task threads;
 ``receive`` on the data plane's loop (it hands the write to the offload pool); ``flush`` and
@@ -26,7 +26,7 @@ from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunErr
 from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId
 from rechunk_p2p.store.assembling import AssemblingMemoryStore
-from rechunk_p2p.store.base import ShardStore, empty_output
+from rechunk_p2p.store.base import PieceStore, empty_output
 from rechunk_p2p.store.split import SplitStore
 from rechunk_p2p.transport.comm import CommBuffer, CommStatistics
 from rechunk_p2p.transport.dataplane import DataPlane
@@ -66,18 +66,18 @@ class PhaseSeconds:
     Attributes
     ----------
     cut
-        Task threads cutting input chunks into shards and packing them (this worker's own
-        shards stored included).
+        Task threads cutting input chunks into pieces and packing them (this worker's own
+        pieces stored included).
     queue_wait
-        Task threads queueing packed shards for sending: waiting while the send buffer
-        was full (back-pressure), and handing the shards to the data plane's loop.
+        Task threads queueing packed pieces for sending: waiting while the send buffer
+        was full (back-pressure), and handing the pieces to the data plane's loop.
     send
         Sends in flight on the data plane, summed over concurrent sends (a send's time is
         the peer's receive and store too: the ack comes after them).
     store
         The offload pool writing received batches to the store.
     assemble
-        Task threads reading shards back and assembling output chunks.
+        Task threads reading pieces back and assembling output chunks.
     """
 
     cut: float = 0.0
@@ -107,7 +107,7 @@ class RunStatistics:
     bytes_buffered: int
     max_bytes_queued: int = 0  # most bytes this run had queued for sending at once
     messages_sent: int = 0  # batches sent to other workers (one message each)
-    max_bytes_stored_in_memory: int = 0  # most shard bytes its store held in memory at once
+    max_bytes_stored_in_memory: int = 0  # most piece bytes its store held in memory at once
     phases: PhaseSeconds = field(default_factory=PhaseSeconds)
 
 
@@ -121,7 +121,7 @@ class WorkerRun:
     worker_address
         This worker.
     store
-        Where shards for this worker's outputs wait until assembly (an
+        Where pieces for this worker's outputs wait until assembly (an
         :class:`AssemblingMemoryStore` assembles them as they come; a :class:`SplitStore`
         does so for some outputs and spills the others).
     storage
@@ -129,7 +129,7 @@ class WorkerRun:
     dataplane
         The worker's data plane (send and receive happen on its loop).
     offload
-        The pool that writes received shards into the store.
+        The pool that writes received pieces into the store.
     comm
         The run's send buffer (confined to the data plane's loop).
     on_close
@@ -145,7 +145,7 @@ class WorkerRun:
         self,
         run_spec: RunSpec,
         worker_address: str,
-        store: ShardStore | AssemblingMemoryStore | SplitStore,
+        store: PieceStore | AssemblingMemoryStore | SplitStore,
         storage: str,
         dataplane: DataPlane,
         offload: OffloadPool,
@@ -168,7 +168,7 @@ class WorkerRun:
         self._bytes_local = 0
         self._bytes_received = 0
         self._seconds = dict.fromkeys(("cut", "queue_wait", "store", "assemble"), 0.0)
-        # outputs assembled here (their shards are gone), and outputs assembled for a run
+        # outputs assembled here (their pieces are gone), and outputs assembled for a run
         # this one continues, kept for the continued run's task of the same output
         self._assembled: set[int] = set()
         self._kept: dict[int, np.ndarray] = {}
@@ -176,7 +176,7 @@ class WorkerRun:
         self._assembling: set[int] = set()
         self._recent: OrderedDict[int, np.ndarray] = OrderedDict()
         self._recent_outputs = recent_outputs
-        # the store copies shards into their outputs as they come (it keeps no views)
+        # the store copies pieces into their outputs as they come (it keeps no views)
         self._assembles = isinstance(store, AssemblingMemoryStore)
         # buffers the task threads cut input chunks into, used again (see InputCutter)
         # (recent_outputs is the worker's number of task threads: a thread's buffer is free
@@ -227,12 +227,12 @@ class WorkerRun:
     # --- task threads -------------------------------------------------------------------------
 
     def add_input_blocking(self, flat: int, data: np.ndarray | JoinedBlocks) -> RunId:
-        """Cut input chunk ``flat`` into shards and hand them to their workers; the id of the
+        """Cut input chunk ``flat`` into pieces and hand them to their workers; the id of the
         run whose owners it cut for (the run may be continued meanwhile: the barrier then
         runs the transfer again).
 
         Runs in a task thread; waits while this worker's send buffer is full, and hands the
-        shards to the data plane loop without waiting for it.
+        pieces to the data plane loop without waiting for it.
         """
         self._raise_if_closed()
         run_spec = self.run_spec  # one spec for the whole cut
@@ -273,10 +273,10 @@ class WorkerRun:
         return run_spec.run_id
 
     def get_output_blocking(self, flat: int) -> np.ndarray:
-        """Assemble output chunk ``flat`` from its shards. Runs in a task thread.
+        """Assemble output chunk ``flat`` from its pieces. Runs in a task thread.
 
         An output kept from a run this one continues is returned as it was assembled; one
-        assembled before and not kept (its shards are gone) raises
+        assembled before and not kept (its pieces are gone) raises
         :class:`OutputConsumedError`.
         """
         self._raise_if_closed()
@@ -318,7 +318,7 @@ class WorkerRun:
         store = self._store
         if isinstance(store, AssemblingMemoryStore) or (
             isinstance(store, SplitStore) and store.holds_in_memory(flat)
-        ):  # filled as its shards came
+        ):  # filled as its pieces came
             out, missing = store.take_output_blocking(flat)
             if out is None:
                 out = empty_output(partial.output_shape(flat), spec.dtype)
@@ -327,7 +327,7 @@ class WorkerRun:
         if missing:
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
-                f"(run {self.run_id}) on {self.worker_address} is missing shards from "
+                f"(run {self.run_id}) on {self.worker_address} is missing pieces from "
                 f"input chunks {[partial.input_index(i) for i in missing][:10]}"
             )
         with self._lock:
@@ -339,7 +339,7 @@ class WorkerRun:
 
     def continue_as(self, run_spec: RunSpec) -> bool:
         """Go on as ``run_spec``, a run that continues this one (an output owner left):
-        shards stored here and outputs assembled here stay; nothing more is sent to the
+        pieces stored here and outputs assembled here stay; nothing more is sent to the
         workers that left; the transfers run again for the moved outputs, and this worker
         passes a barrier again. Whether it did (not if closed, or if ``run_spec`` does not
         continue this run)."""
@@ -362,7 +362,7 @@ class WorkerRun:
         """Keep the results of ``outputs`` for the continued run's tasks of the same outputs.
 
         The scheduler releases their tasks as it continues the run, and the worker drops their
-        results, but their shards are gone. ``held`` are results the worker holds; the others
+        results, but their pieces are gone. ``held`` are results the worker holds; the others
         are taken from the outputs assembled last, or kept when their assembly, running now,
         finishes. Returns how many were kept now.
         """
@@ -382,7 +382,7 @@ class WorkerRun:
     # --- data plane loop ----------------------------------------------------------------------
 
     async def receive(self, batch: list[Packed]) -> None:
-        """Store shards that arrived from another worker (unpacked and written on the pool)."""
+        """Store pieces that arrived from another worker (unpacked and written on the pool)."""
         self._raise_if_closed()
         nbytes = await self._offload.to_thread(self._store_packed_blocking, batch)
         with self._lock:
@@ -397,7 +397,7 @@ class WorkerRun:
         return nbytes
 
     def _check_owned_blocking(self, batch: list[Packed]) -> None:
-        """Refuse shards of outputs this worker does not assemble (a sender that addressed the
+        """Refuse pieces of outputs this worker does not assemble (a sender that addressed the
         wrong data plane): stored here they would be lost, and their owner would miss them."""
         run_spec = self.run_spec
         outputs = np.fromiter(
@@ -409,7 +409,7 @@ class WorkerRun:
             first, position = int(outputs[wrong[0]]), int(positions[wrong[0]])
             owner = run_spec.workers[position] if position >= 0 else "no worker of the run"
             raise RechunkRunError(
-                f"{len(wrong)} shards of rechunk {self.shuffle_id} (run {self.run_id}) reached "
+                f"{len(wrong)} pieces of rechunk {self.shuffle_id} (run {self.run_id}) reached "
                 f"{self.worker_address}, which does not assemble their outputs (output "
                 f"{first} belongs to {owner}); refused"
             )
@@ -430,7 +430,7 @@ class WorkerRun:
         self._cuts.close()  # no more inputs
 
     async def close(self) -> bool:
-        """Stop sending, free buffered shards and remove spill files.
+        """Stop sending, free buffered pieces and remove spill files.
 
         Idempotent: returns whether this call closed the run (the run is closed then even
         if freeing raised).

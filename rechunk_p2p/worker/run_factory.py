@@ -43,7 +43,7 @@ def make_run(
     storage, in_memory = resolve_storage(run_spec, address, limit, settings)
     directory = os.path.join(worker.local_directory, ENGINE_DIRECTORY)
     spec, partial = run_spec.spec, run_spec.spec.partial
-    known = not spec.unknown_axes  # outputs can be filled as their shards come
+    known = not spec.unknown_axes  # outputs can be filled as their pieces come
     store = make_store(
         storage,
         dtype=spec.dtype,

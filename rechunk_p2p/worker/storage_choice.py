@@ -1,5 +1,5 @@
-"""Where a run keeps the shards a worker receives: memory, disk, or the first outputs in
-memory and the rest on disk; and whether spilled shards bypass the page cache.
+"""Where a run keeps the pieces a worker receives: memory, disk, or the first outputs in
+memory and the rest on disk; and whether spilled pieces bypass the page cache.
 
 Where it runs: pure (the worker plugin's loop calls it when a run opens there, with the
 worker's address and memory limit).
@@ -48,7 +48,7 @@ def direct_io(
     settings: WorkerSettings,
 ) -> bool | None:
     """``disk-direct-io`` for the run's store on the worker at ``address``. ``auto``: not
-    when the shards this host's workers are expected to spill (this worker's share of the
+    when the pieces this host's workers are expected to spill (this worker's share of the
     run, beyond its memory budget, times the run's workers on this host) fit within the page
     cache's writeback threshold: the cache holds them then, and serves them back from
     memory; else the store decides by its first write (``None``)."""
@@ -69,7 +69,7 @@ def direct_io(
 def outputs_within(run_spec: RunSpec, address: str, budget: float) -> np.ndarray | None:
     """One boolean per flat output: the first outputs (ascending) of the worker at
     ``address`` whose bytes add up to at most ``budget``; ``None`` when none fits or outputs
-    cannot be filled as their shards come."""
+    cannot be filled as their pieces come."""
     spec = run_spec.spec
     if spec.unknown_axes or spec.dtype.hasobject:
         return None

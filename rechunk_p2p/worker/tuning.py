@@ -62,7 +62,7 @@ class ProcessTuning:
       first steps). At most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they
       are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL.
     - glibc's malloc thresholds (:class:`~rechunk_p2p.store.allocator.MallocTuning`), when
-      the first run keeps shards in memory (``memory``, ``memory+disk``): arrays up to
+      the first run keeps pieces in memory (``memory``, ``memory+disk``): arrays up to
       32 MiB come from memory freed before instead of fresh pages; the free memory is given
       back when the last run closes.
     """

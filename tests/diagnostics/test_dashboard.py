@@ -37,7 +37,7 @@ def _wait_for_gate(block: np.ndarray, block_info=None) -> np.ndarray:
 
 def _gated_rechunk() -> da.Array:
     """64 row blocks of 512 KiB into 64 column blocks; the transfer of row block 0 waits at
-    the gate (the others' shards fill whole messages, which leave before it opens)."""
+    the gate (the others' pieces fill whole messages, which leave before it opens)."""
     x = da.random.RandomState(0).random((256, 16384), chunks=(4, 16384))
     return rechunk_p2p.rechunk(x.map_blocks(_wait_for_gate, dtype=x.dtype), (256, 256)), x
 
@@ -81,7 +81,7 @@ async def test_an_open_run_shows_its_phase_progress_and_workers(c, s, a, b):
         plugin = s.plugins[PLUGIN_NAME]
         page = RechunkPage(s)
         await _until(lambda: plugin.active and live_view(s, plugin).runs[0].transfers_done > 0)
-        # the worker that holds the gated transfer receives the other's shards meanwhile
+        # the worker that holds the gated transfer receives the other's pieces meanwhile
         await _until(lambda: any(w.bytes_received > 0 for w in live_view(s, plugin).workers))
         view = live_view(s, plugin)
         (run,) = view.runs

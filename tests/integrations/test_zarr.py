@@ -386,7 +386,7 @@ def test_bare_format2_array_with_a_numcodecs_compressor(p2p_client, tmp_path):
 
 def test_lazy_rechunk_like_rechunker(p2p_client, tmp_path):
     """compute=False: a plan to inspect, nothing written until execute(); max_mem decides
-    where shards wait (a tiny budget: on disk; a large one: in memory)."""
+    where pieces wait (a tiny budget: on disk; a large one: in memory)."""
     from rechunk_p2p.integrations.zarr import ZarrRechunk
 
     src = tmp_path / "src.zarr"
@@ -401,7 +401,7 @@ def test_lazy_rechunk_like_rechunker(p2p_client, tmp_path):
     assert "call .execute()" in repr(lazy) and "<table" in lazy._repr_html_()
     assert not (tmp_path / "a.zarr").exists()
     report = lazy.execute()
-    assert report.bytes_spilled > 0  # 1 KiB per worker: the shards waited on disk
+    assert report.bytes_spilled > 0  # 1 KiB per worker: the pieces waited on disk
     assert_same_values(arrays_of(src)["temperature"], arrays_of(tmp_path / "a.zarr")["temperature"])
     with pytest.raises(RechunkInputError, match="executed already"):
         lazy.execute()

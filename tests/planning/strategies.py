@@ -120,7 +120,7 @@ def chunk_slices(chunks: Chunks) -> dict[tuple[int, ...], tuple[slice, ...]]:
     }
 
 
-def brute_shard_pairs(
+def brute_piece_pairs(
     shape: tuple[int, ...], old: Chunks, new: Chunks
 ) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Global (input index, output index) pairs whose chunks share at least one element.

@@ -49,7 +49,7 @@ def test_advice_names_the_side_that_bounds_the_pieces() -> None:
 
 def test_thin_held_rows_into_strips_warn_and_blocks_do_not() -> None:
     thin = rechunk_p2p.plan(_held((8192, 8192), (1, 8192)), (8192, 4))
-    assert thin.n_shards == 8192 * 2048 and thin.cost.dominant == "pieces"
+    assert thin.n_pieces == 8192 * 2048 and thin.cost.dominant == "pieces"
     assert thin.warning is not None and "16,777,216 pieces of 32 B" in thin.warning
     assert "longer input chunks along axis 0" in repr(thin)
     assert "8,192 per output chunk, 32 B each" in repr(thin)

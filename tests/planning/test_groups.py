@@ -19,7 +19,7 @@ from rechunk_p2p.planning.groups import (
     transfer_groups,
 )
 
-from .strategies import axis_chunking, brute_shard_pairs, chunks_from_cuts, rechunks, shapes
+from .strategies import axis_chunking, brute_piece_pairs, chunks_from_cuts, rechunks, shapes
 
 SETTINGS = settings(max_examples=300, deadline=None)
 
@@ -128,7 +128,7 @@ def test_joining_keeps_the_partials_and_every_element_in_its_place(case, times):
     ]
     # every output chunk is made of the same elements: each (joined input, output) pair
     # covers exactly the original pairs of the inputs in the group
-    pairs = brute_shard_pairs(shape, joined, new)
+    pairs = brute_piece_pairs(shape, joined, new)
     members = [group_members(g) for g in groups]
     expanded = {
         (tuple(chunk), out)
@@ -136,7 +136,7 @@ def test_joining_keeps_the_partials_and_every_element_in_its_place(case, times):
         for chunk in itertools.product(*(m[i] for m, i in zip(members, index)))
     }
     assert {out for _, out in expanded} == {out for _, out in pairs}
-    assert brute_shard_pairs(shape, old, new) <= expanded
+    assert brute_piece_pairs(shape, old, new) <= expanded
 
 
 def test_maps_to_time_series_join_time_steps_up_to_the_limit():
@@ -179,7 +179,7 @@ def test_plan_counts_the_joined_inputs():
     assert transfer_groups(old, new, 8, 2**20, min_transfers=2) == joined.groups
     assert joined.input_chunks == ((4, 4), (6,))
     assert (joined.n_input_chunks, joined.n_transfers) == (8, 2)
-    assert (plain.n_transfers, plain.n_shards, joined.n_shards) == (8, 16, 4)
+    assert (plain.n_transfers, plain.n_pieces, joined.n_pieces) == (8, 16, 4)
     assert joined.n_tasks == 2 + 1 + 2  # two transfers, a barrier, two outputs
     assert "2 groups of up to 4 input chunks" in repr(joined)
     assert "joined" not in repr(plain)

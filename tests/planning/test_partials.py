@@ -1,8 +1,8 @@
 """Partials and worker assignment against a brute-force, element-by-element oracle.
 
 Every element of the array is labelled with its global position (``np.arange``); input chunks
-are cut into shards exactly as transfer tasks will cut them, and output chunks are assembled
-from those shards exactly as unpack tasks will assemble them.
+are cut into pieces exactly as transfer tasks will cut them, and output chunks are assembled
+from those pieces exactly as unpack tasks will assemble them.
 """
 
 from __future__ import annotations
@@ -20,35 +20,35 @@ from hypothesis import strategies as st
 
 from rechunk_p2p.planning import Partial, assign_worker, make_partials
 
-from .strategies import brute_shard_pairs, chunk_slices, rechunks
+from .strategies import brute_piece_pairs, chunk_slices, rechunks
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
 
 def run_partial(partial: Partial, inputs: dict, expected: dict) -> set:
-    """Push one partial's input chunks through its shards; check its outputs element-wise.
+    """Push one partial's input chunks through its pieces; check its outputs element-wise.
 
-    Returns the global (input index, output index) pair of every shard.
+    Returns the global (input index, output index) pair of every piece.
     """
     in_keys = list(partial.input_keys())
     out_keys = list(partial.output_keys())
     assert len(in_keys) == partial.n_inputs and len(out_keys) == partial.n_outputs
 
-    # Transfer side: cut every input chunk; every element goes into exactly one shard.
-    shards = {}
+    # Transfer side: cut every input chunk; every element goes into exactly one piece.
+    pieces = {}
     for flat, key in enumerate(in_keys):
         assert partial.flat_input(key) == flat
         assert partial.input_index(flat) == key
         chunk = inputs[key]
         assert partial.input_shape(flat) == chunk.shape
         seen = np.zeros(chunk.shape, dtype=np.int64)
-        for out_flat, slices in partial.shards_of_input(flat):
+        for out_flat, slices in partial.pieces_of_input(flat):
             assert 0 <= out_flat < partial.n_outputs
-            assert (flat, out_flat) not in shards
-            shard = chunk[slices]
-            assert shard.size > 0
+            assert (flat, out_flat) not in pieces
+            piece = chunk[slices]
+            assert piece.size > 0
             seen[slices] += 1
-            shards[flat, out_flat] = shard
+            pieces[flat, out_flat] = piece
         assert (seen == 1).all()
 
     # Unpack side: assemble every output chunk; every element is written exactly once.
@@ -60,26 +60,26 @@ def run_partial(partial: Partial, inputs: dict, expected: dict) -> set:
         assert partial.output_shape(flat) == want.shape
         out = np.full(want.shape, -1, dtype=np.int64)
         count = np.zeros(want.shape, dtype=np.int64)
-        pieces = list(partial.shards_of_output(flat))
-        assert partial.output_placement(flat) == dict(pieces)  # shared by alike outputs
-        for in_flat, slices in pieces:
-            shard = shards[in_flat, flat]  # KeyError: a shard nobody sent
-            assert out[slices].shape == shard.shape  # no silent broadcasting
-            out[slices] = shard
+        placed = list(partial.pieces_of_output(flat))
+        assert partial.output_placement(flat) == dict(placed)  # shared by alike outputs
+        for in_flat, slices in placed:
+            piece = pieces[in_flat, flat]  # KeyError: a piece nobody sent
+            assert out[slices].shape == piece.shape  # no silent broadcasting
+            out[slices] = piece
             count[slices] += 1
             used.add((in_flat, flat))
         assert (count == 1).all()
         np.testing.assert_array_equal(out, want)
         # inputs_of_output: the same pieces, with global input keys and input slices too.
         detailed = list(partial.inputs_of_output(flat))
-        assert [(g, o) for g, _, o in detailed] == [(in_keys[i], s) for i, s in pieces]
+        assert [(g, o) for g, _, o in detailed] == [(in_keys[i], s) for i, s in placed]
         for glob, in_slices, out_slices in detailed:
             np.testing.assert_array_equal(inputs[glob][in_slices], want[out_slices])
 
-    # The two sides name the same shards.
-    assert used == set(shards)
-    assert partial.n_shards == len(shards)
-    return {(in_keys[i], out_keys[o]) for i, o in shards}
+    # The two sides name the same pieces.
+    assert used == set(pieces)
+    assert partial.n_pieces == len(pieces)
+    return {(in_keys[i], out_keys[o]) for i, o in pieces}
 
 
 def expected_needs_shuffle(partial: Partial, inputs: dict) -> bool:
@@ -123,10 +123,10 @@ def test_every_element_lands_once_in_the_right_place(case, min_elements, max_out
         assert p.needs_shuffle == expected_needs_shuffle(p, inputs)
         pairs |= run_partial(p, inputs, expected)
 
-    # No shard crosses partials: the pairs the partials produce, all within a partial, are
+    # No piece crosses partials: the pairs the partials produce, all within a partial, are
     # every pair of chunks that share an element.
-    assert pairs == brute_shard_pairs(shape, old, new)
-    assert sum(p.n_shards for p in partials) == len(pairs)
+    assert pairs == brute_piece_pairs(shape, old, new)
+    assert sum(p.n_pieces for p in partials) == len(pairs)
     assert sum(p.size for p in partials) == array.size
 
 
@@ -149,10 +149,10 @@ def test_flat_indices_reject_chunks_of_other_partials(case):
 def test_out_of_range_flat_indices_raise(case):
     _, old, new = case
     for p in make_partials(old, new):
-        calls = [(m, p.n_inputs) for m in (p.shards_of_input, p.input_shape, p.input_index)]
+        calls = [(m, p.n_inputs) for m in (p.pieces_of_input, p.input_shape, p.input_index)]
         calls += [
             (m, p.n_outputs)
-            for m in (p.shards_of_output, p.inputs_of_output, p.output_shape, p.output_index)
+            for m in (p.pieces_of_output, p.inputs_of_output, p.output_shape, p.output_index)
         ]
         for method, n in calls:
             for flat in (-1, n):
@@ -168,10 +168,10 @@ def test_flat_index_into_a_grid_without_chunks_raises_index_error():
     (p,) = make_partials(((), (3,)), ((0,), (1, 2)))
     assert p.n_inputs == 0 and p.n_outputs == 2
     with pytest.raises(IndexError):
-        list(p.shards_of_input(0))
+        list(p.pieces_of_input(0))
     with pytest.raises(IndexError):
         p.input_shape(0)
-    assert [list(p.shards_of_output(i)) for i in range(2)] == [[], []]
+    assert [list(p.pieces_of_output(i)) for i in range(2)] == [[], []]
 
 
 @SETTINGS
@@ -184,12 +184,12 @@ def test_partials_are_immutable_hashable_and_picklable(case):
     for p, q in zip(partials, again, strict=True):
         assert hash(p) == hash(q)
         for flat in range(min(p.n_outputs, 1)):
-            list(p.shards_of_output(flat))  # fill the cached lookups before pickling
+            list(p.pieces_of_output(flat))  # fill the cached lookups before pickling
             p.output_placement(flat)
         clone = pickle.loads(pickle.dumps(p))
         assert clone == p and hash(clone) == hash(p)
         for flat in range(p.n_inputs):
-            assert list(clone.shards_of_input(flat)) == list(p.shards_of_input(flat))
+            assert list(clone.pieces_of_input(flat)) == list(p.pieces_of_input(flat))
         with pytest.raises(AttributeError):
             p.old_chunks = ()
 
@@ -230,14 +230,14 @@ def test_partials_that_need_no_shuffle_are_never_joined():
 def test_partial_example():
     # old (4, 2) x (3,), new (3, 3) x (1, 2): one partial, 2 inputs, 4 outputs.
     (p,) = make_partials(((4, 2), (3,)), ((3, 3), (1, 2)))
-    assert (p.n_inputs, p.n_outputs, p.n_shards, p.size) == (2, 4, 6, 18)
-    assert list(p.shards_of_input(0)) == [
+    assert (p.n_inputs, p.n_outputs, p.n_pieces, p.size) == (2, 4, 6, 18)
+    assert list(p.pieces_of_input(0)) == [
         (0, (slice(0, 3), slice(0, 1))),
         (1, (slice(0, 3), slice(1, 3))),
         (2, (slice(3, 4), slice(0, 1))),
         (3, (slice(3, 4), slice(1, 3))),
     ]
-    assert list(p.shards_of_output(3)) == [
+    assert list(p.pieces_of_output(3)) == [
         (0, (slice(0, 1), slice(0, 2))),
         (1, (slice(1, 3), slice(0, 2))),
     ]
@@ -310,5 +310,5 @@ def test_outputs_alike_on_every_axis_share_their_placement():
     (q,) = make_partials(((1,) * 4, (8,), (7,)), ((4,), (4, 4), (4, 3)))
     assert q.output_placement(0) is q.output_placement(2)
     assert q.output_placement(0) is not q.output_placement(1)
-    assert q.output_placement(1) == dict(q.shards_of_output(1))
+    assert q.output_placement(1) == dict(q.pieces_of_output(1))
     assert q.output_placement(1)[2][2] == slice(0, 3)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from rechunk_p2p.planning import RechunkPlan, make_partials
 
-from .strategies import brute_shard_pairs, chunk_slices, rechunks
+from .strategies import brute_piece_pairs, chunk_slices, rechunks
 
 SETTINGS = settings(max_examples=200, deadline=None)
 dtypes = st.sampled_from(["i1", "u2", "f4", "f8", "c16", "bool", "O", "S3", "M8[ns]"]).map(np.dtype)
@@ -40,7 +40,7 @@ def test_counts_agree_with_brute_force(plan):
     assert plan.n_partials == len(partials)
     assert plan.n_input_chunks == len(chunk_slices(plan.old_chunks))
     assert plan.n_output_chunks == len(chunk_slices(plan.new_chunks))
-    assert plan.n_shards == len(brute_shard_pairs(plan.shape, plan.old_chunks, plan.new_chunks))
+    assert plan.n_pieces == len(brute_piece_pairs(plan.shape, plan.old_chunks, plan.new_chunks))
 
     shuffled = [p for p in partials if p.needs_shuffle]
     assert plan.n_shuffles == len(shuffled)
@@ -84,7 +84,7 @@ def test_repr_mentions_the_key_figures(plan):
     assert format_bytes(plan.nbytes) in first
     count = repr_line(text, "chunk count")
     assert f"{plan.n_input_chunks} -> {plan.n_output_chunks}" in count
-    assert plan.n_shards in numbers(count)
+    assert plan.n_pieces in numbers(count)
     assert {plan.n_partials, plan.n_shuffles} <= numbers(repr_line(text, "partials"))
     assert plan.n_tasks in numbers(repr_line(text, "tasks"))
     assert format_bytes(plan.bytes_shuffled) in repr_line(text, "shuffled")
@@ -116,7 +116,7 @@ def test_plan_is_immutable_and_a_value(plan):
         tuple(map(tuple, plan.new_chunks)),
         plan.n_workers,
     )
-    _ = plan.n_tasks, plan.n_shards, plan.partials  # cached figures do not change the value
+    _ = plan.n_tasks, plan.n_pieces, plan.partials  # cached figures do not change the value
     assert plan == same and hash(plan) == hash(same)
     other = dataclasses.replace(plan, n_workers=plan.n_workers + 1)
     assert other != plan
@@ -131,5 +131,5 @@ def test_plan_is_immutable_and_a_value(plan):
 def test_zero_dimensional_plan():
     plan = RechunkPlan((), np.dtype("i4"), (), ())
     assert (plan.n_partials, plan.n_input_chunks, plan.n_output_chunks) == (1, 1, 1)
-    assert (plan.n_shards, plan.n_shuffles, plan.n_tasks) == (1, 0, 1)
+    assert (plan.n_pieces, plan.n_shuffles, plan.n_tasks) == (1, 0, 1)
     assert plan.nbytes == plan.largest_input_chunk_bytes == 4

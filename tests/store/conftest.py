@@ -1,4 +1,4 @@
-"""Fixtures for the shard-store tests: stores of both kinds, closed and checked at the end."""
+"""Fixtures for the piece-store tests: stores of both kinds, closed and checked at the end."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rechunk_p2p.store import ShardStore, make_store
+from rechunk_p2p.store import PieceStore, make_store
 
-#: "disk-buffered": a disk store that gathers shards in a small write buffer (flushed every
+#: "disk-buffered": a disk store that gathers pieces in a small write buffer (flushed every
 #: few writes, and before reads), ordered by output; "disk-direct...": the same two with the
 #: data file written and read unbuffered (O_DIRECT)
 KINDS = ("memory", "disk", "disk-buffered", "disk-direct", "disk-direct-buffered")
 BUFFERED_BYTES = 100
 
-MakeStore = Callable[..., ShardStore]
+MakeStore = Callable[..., PieceStore]
 
 
 @pytest.fixture(params=KINDS)
@@ -34,9 +34,9 @@ def spill_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def make(kind: str, spill_dir: Path) -> Iterator[MakeStore]:
     """Factory of stores of the parametrised kind; closes them all and checks no files remain."""
-    stores: list[ShardStore] = []
+    stores: list[PieceStore] = []
 
-    def factory(dtype: object = "f8", name: str = "rechunk-abc-run-1-sub-0") -> ShardStore:
+    def factory(dtype: object = "f8", name: str = "rechunk-abc-run-1-sub-0") -> PieceStore:
         store = make_store(
             "disk" if kind.startswith("disk") else kind,  # type: ignore[arg-type]
             dtype=np.dtype(dtype),

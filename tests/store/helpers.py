@@ -1,4 +1,4 @@
-"""Assertions shared by the shard-store tests."""
+"""Assertions shared by the piece-store tests."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The memory store that fills outputs as shards arrive: placement, duplicates, missing and
-wrong shards, concurrent writers, what it holds, and closing."""
+"""The memory store that fills outputs as pieces arrive: placement, duplicates, missing and
+wrong pieces, concurrent writers, what it holds, and closing."""
 
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ def _store(partial: Partial, dtype: str = "f8") -> AssemblingMemoryStore:
     return AssemblingMemoryStore(np.dtype(dtype), "test", partial)
 
 
-def _shards(partial: Partial, data: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
-    """Every shard of ``data`` (chunked as ``partial``'s inputs), as views of it."""
+def _pieces(partial: Partial, data: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """Every piece of ``data`` (chunked as ``partial``'s inputs), as views of it."""
     out = []
     offsets = [np.cumsum((0, *c)) for c in partial.old_chunks]
     for flat in range(partial.n_inputs):
         index = partial.input_index(flat)
         box = tuple(slice(o[i], o[i + 1]) for o, i in zip(offsets, index))
         chunk = data[box]
-        out += [(o, flat, chunk[where]) for o, where in partial.shards_of_input(flat)]
+        out += [(o, flat, chunk[where]) for o, where in partial.pieces_of_input(flat)]
     return out
 
 
@@ -56,17 +56,17 @@ def _expected(partial: Partial, data: np.ndarray, flat: int) -> np.ndarray:
         ((6, 4), (2, 4), (6, 1), [("a", "i4"), ("b", "f8")]),
     ],
 )
-def test_every_output_is_assembled_from_shards_in_any_order(shape, old, new, dtype) -> None:
+def test_every_output_is_assembled_from_pieces_in_any_order(shape, old, new, dtype) -> None:
     partial = _partial(shape, old, new)
     rng = np.random.default_rng(0)
     data = np.zeros(shape, dtype=dtype)
     data.view(np.uint8)[...] = rng.integers(0, 255, data.view(np.uint8).shape, dtype=np.uint8)
-    shards = _shards(partial, data)
-    rng.shuffle(shards)  # type: ignore[arg-type]
+    pieces = _pieces(partial, data)
+    rng.shuffle(pieces)  # type: ignore[arg-type]
     store = _store(partial, data.dtype)
-    half = len(shards) // 2
-    assert store.write_blocking(shards[:half]) == sum(a.nbytes for _, _, a in shards[:half])
-    store.write_blocking(shards[half:])
+    half = len(pieces) // 2
+    assert store.write_blocking(pieces[:half]) == sum(a.nbytes for _, _, a in pieces[:half])
+    store.write_blocking(pieces[half:])
     for flat in range(partial.n_outputs):
         out, missing = store.take_output_blocking(flat)
         assert missing == []
@@ -74,7 +74,7 @@ def test_every_output_is_assembled_from_shards_in_any_order(shape, old, new, dty
         assert out.dtype == data.dtype and out.tobytes() == _expected(partial, data, flat).tobytes()
     stats = store.statistics()
     assert stats.bytes_written == stats.bytes_read == data.nbytes and stats.bytes_buffered == 0
-    assert stats.outputs == 0 and stats.shards == len(shards)
+    assert stats.outputs == 0 and stats.pieces == len(pieces)
     store.close_blocking()
 
 
@@ -101,9 +101,9 @@ def test_packed_batches_free_their_payload_once_stored() -> None:
 def test_duplicates_missing_and_held_bytes() -> None:
     partial = _partial((4, 6), (1, 6), (4, 3))
     data = np.arange(24, dtype="f8").reshape(4, 6)
-    shards = _shards(partial, data)
+    pieces = _pieces(partial, data)
     store = _store(partial)
-    first = [s for s in shards if s[1] != 2]  # input 2 never comes
+    first = [s for s in pieces if s[1] != 2]  # input 2 never comes
     store.write_blocking(first)
     assert store.write_blocking(first[:3]) == 0  # delivered again: dropped
     stats = store.statistics()
@@ -111,13 +111,13 @@ def test_duplicates_missing_and_held_bytes() -> None:
     assert stats.max_bytes_in_memory == data.nbytes  # both outputs allocated whole
     out, missing = store.take_output_blocking(0)
     assert missing == [2] and np.array_equal(out[[0, 1, 3]], data[[0, 1, 3], :3])
-    store.write_blocking([s for s in shards if s[:2] == (0, 2)])  # too late: a new output 0
+    store.write_blocking([s for s in pieces if s[:2] == (0, 2)])  # too late: a new output 0
     assert store.take_output_blocking(0)[1] == [0, 1, 3]
     store.close_blocking()
     assert _store(partial).take_output_blocking(1) == (None, [0, 1, 2, 3])  # nothing came
 
 
-def test_wrong_shards_are_refused_and_may_come_again() -> None:
+def test_wrong_pieces_are_refused_and_may_come_again() -> None:
     partial = _partial((4, 6), (2, 6), (4, 3))
     store = _store(partial)
     good = np.ones((2, 3))
@@ -127,9 +127,9 @@ def test_wrong_shards_are_refused_and_may_come_again() -> None:
         store.write_blocking([(0, 7, good)])
     with pytest.raises(RechunkTypeError):
         store.write_blocking([(0, 1, good.astype("f4"))])
-    # a batch is checked whole before anything is stored: the refused shards were not
+    # a batch is checked whole before anything is stored: the refused pieces were not
     # taken, and can be delivered right
-    assert store.statistics().shards == 0
+    assert store.statistics().pieces == 0
     assert store.write_blocking([(0, 0, good), (0, 1, 2 * good)]) == 2 * good.nbytes
     out, missing = store.take_output_blocking(0)
     assert missing == [] and out[:2].sum() == 6 and out[2:].sum() == 12
@@ -146,10 +146,10 @@ def test_take_waits_for_copies_in_progress_and_close_wakes_it(monkeypatch) -> No
     started, release = threading.Event(), threading.Event()
     real = assembling.copy_into_blocking
 
-    def slow_copy(region, shard):
+    def slow_copy(region, piece):
         started.set()
         release.wait(10)
-        real(region, shard)
+        real(region, piece)
 
     monkeypatch.setattr(assembling, "copy_into_blocking", slow_copy)
     writer = threading.Thread(target=store.write_blocking, args=([(0, 0, np.ones((1, 4)))],))
@@ -177,10 +177,10 @@ def test_take_waits_for_copies_in_progress_and_close_wakes_it(monkeypatch) -> No
 def test_many_threads_fill_outputs_together() -> None:
     partial = _partial((64, 16, 16), (1, 16, 16), (64, 4, 4))
     data = np.random.default_rng(1).random((64, 16, 16))
-    shards = _shards(partial, data)
+    pieces = _pieces(partial, data)
     store = _store(partial)
     threads = [
-        threading.Thread(target=store.write_blocking, args=(shards[i::8],)) for i in range(8)
+        threading.Thread(target=store.write_blocking, args=(pieces[i::8],)) for i in range(8)
     ]
     for t in threads:
         t.start()
@@ -217,15 +217,15 @@ def test_new_outputs_have_their_pages_touched_outside_the_gil() -> None:
         ((12, 10, 6), (5, 3, 6), (4, 10, 2), "i2"),  # strided places
         ((8, 8), (3, 8), (8, 3), ">f8"),  # the store converts the byte order
         ((64, 512), (1, 512), (64, 4), "f8"),  # thin rows to column strips: slabs
-        ((6, 4096), (1, 4096), (6, 512), "f8"),  # 4 KiB shards: outputs of their own
+        ((6, 4096), (1, 4096), (6, 512), "f8"),  # 4 KiB pieces: outputs of their own
     ],
 )
-def test_blocks_of_one_input_are_placed_as_single_shards_are(shape, old, new, dtype) -> None:
+def test_blocks_of_one_input_are_placed_as_single_pieces_are(shape, old, new, dtype) -> None:
     partial = _partial(shape, old, new)
     rng = np.random.default_rng(1)
     data = rng.integers(0, 1000, shape).astype(dtype)
     by_input: dict[tuple[int, tuple[int, ...]], list[tuple[int, np.ndarray]]] = {}
-    for output, input_, array in _shards(partial, data):
+    for output, input_, array in _pieces(partial, data):
         by_input.setdefault((input_, array.shape), []).append((output, array))
     batches = list(by_input.items())
     rng.shuffle(batches)  # type: ignore[arg-type]
@@ -240,18 +240,18 @@ def test_blocks_of_one_input_are_placed_as_single_shards_are(shape, old, new, dt
         assert missing == []
         np.testing.assert_array_equal(out, _expected(partial, data, flat))
     stats = store.statistics()
-    assert stats.bytes_written == data.nbytes and stats.duplicates == stats.shards
+    assert stats.bytes_written == data.nbytes and stats.duplicates == stats.pieces
     store.close_blocking()
 
 
-def test_small_shards_fill_outputs_of_one_slab_large_ones_outputs_of_their_own() -> None:
-    thin = _partial((8, 64), (1, 64), (8, 4))  # 32-byte shards: one slab for 16 outputs
-    thick = _partial((2, 32768), (1, 32768), (2, 16384))  # 128 KiB shards
+def test_small_pieces_fill_outputs_of_one_slab_large_ones_outputs_of_their_own() -> None:
+    thin = _partial((8, 64), (1, 64), (8, 4))  # 32-byte pieces: one slab for 16 outputs
+    thick = _partial((2, 32768), (1, 32768), (2, 16384))  # 128 KiB pieces
     for partial, shared in ((thin, True), (thick, False)):
         data = np.arange(int(np.prod(partial.output_shape(0))) * partial.n_outputs, dtype="f8")
         data = data.reshape([sum(c) for c in partial.old_chunks])
         store = _store(partial)
-        store.write_blocking(_shards(partial, data))
+        store.write_blocking(_pieces(partial, data))
         outs = [store.take_output_blocking(flat)[0] for flat in range(partial.n_outputs)]
         for flat, out in enumerate(outs):
             assert out.flags.c_contiguous and out.flags.writeable
@@ -267,13 +267,13 @@ def test_blocks_that_do_not_fit_their_places_are_refused_by_name() -> None:
     blocks = np.zeros((4, 1, 2))
     with pytest.raises(RechunkRunError, match="got 3 outputs and blocks of shape"):
         store.write_blocks_blocking([0, 1, 2], 0, blocks)
-    with pytest.raises(RechunkTypeError, match="holds dtype float64; got a shard of dtype int8"):
+    with pytest.raises(RechunkTypeError, match="holds dtype float64; got a piece of dtype int8"):
         store.write_blocks_blocking([0, 1, 2, 3], 0, blocks.astype("i1"))
     with pytest.raises(RechunkRunError, match=r"shape \(1, 3\) for output 0 from input 0"):
         store.write_blocks_blocking([0], 0, np.zeros((1, 1, 3)))
     with pytest.raises(RechunkRunError, match="input 9, which has no piece of that output"):
         store.write_blocks_blocking([0], 9, np.zeros((1, 1, 2)))
-    # the refused shards were not stored and may come again
+    # the refused pieces were not stored and may come again
     assert store.write_blocks_blocking([0, 1, 2, 3], 0, blocks + 1) == blocks.nbytes
     out, missing = store.take_output_blocking(0)
     assert missing == [1, 2, 3] and (out[0] == 1).all()
@@ -298,9 +298,9 @@ def test_a_batch_of_blocks_delivered_again_is_dropped_as_duplicates() -> None:
 
 
 def test_the_ledger_takes_pairs_and_keys_alike() -> None:
-    from rechunk_p2p.store.ledger import ShardLedger, pair_keys
+    from rechunk_p2p.store.ledger import PieceLedger, pair_keys
 
-    ledger = ShardLedger()
+    ledger = PieceLedger()
     assert ledger.admit_keys(pair_keys([1, 2], [2, 1])) is None  # all new
     assert ledger.admit_keys(pair_keys([2, 1, 3], [1, 2, 1])) == [False, False, True]
     assert ledger.admit_keys(pair_keys([4, 4], [0, 0])) == [True, False]  # repeated in a batch
@@ -320,13 +320,13 @@ def test_the_ledger_takes_pairs_and_keys_alike() -> None:
 
 
 def test_outputs_of_other_shapes_get_slabs_of_their_own() -> None:
-    """A row cut for outputs of widths 4, 5 and 5: the shards of one shape are placed
+    """A row cut for outputs of widths 4, 5 and 5: the pieces of one shape are placed
     together, and each output holds exactly its own columns."""
     partial = _partial((2, 14), (1, 14), (2, (4, 5, 5)))
     store = _store(partial)
     data = np.arange(28, dtype="f8").reshape(2, 14)
     for flat in range(partial.n_inputs):
-        store.write_blocking(s for s in _shards(partial, data) if s[1] == flat)
+        store.write_blocking(s for s in _pieces(partial, data) if s[1] == flat)
     for output in range(3):
         out, missing = store.take_output_blocking(output)
         assert missing == [] and out.flags.c_contiguous
@@ -341,7 +341,7 @@ def test_slabs_hold_at_most_their_bytes(monkeypatch) -> None:
     partial = _partial((8, 64), (1, 64), (8, 4))
     data = np.arange(8 * 64, dtype="f8").reshape(8, 64)
     store = _store(partial)
-    store.write_blocking(_shards(partial, data))
+    store.write_blocking(_pieces(partial, data))
     outs = [store.take_output_blocking(flat)[0] for flat in range(16)]
     for flat, out in enumerate(outs):
         np.testing.assert_array_equal(out, _expected(partial, data, flat))

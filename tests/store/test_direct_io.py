@@ -14,17 +14,17 @@ from rechunk_p2p import config
 from rechunk_p2p.errors import RechunkInputError, RechunkStorageError
 from rechunk_p2p.store import direct
 from rechunk_p2p.store import disk as disk_module
-from rechunk_p2p.store.disk import DiskShardStore
+from rechunk_p2p.store.disk import DiskPieceStore
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
 
 
-def _shards(sizes: list[int], output: int = 0) -> list[tuple[int, int, np.ndarray]]:
-    """One shard per size (in bytes of u1), input k holding the value k + 1."""
+def _pieces(sizes: list[int], output: int = 0) -> list[tuple[int, int, np.ndarray]]:
+    """One piece per size (in bytes of u1), input k holding the value k + 1."""
     return [(output, k, np.full(n, (k + 1) % 251, np.uint8)) for k, n in enumerate(sizes)]
 
 
-def _check_round_trip(store: DiskShardStore, sizes: list[int]) -> None:
+def _check_round_trip(store: DiskPieceStore, sizes: list[int]) -> None:
     got = store.read_blocking(0)
     assert [i for i, _ in got] == list(range(len(sizes)))
     for k, array in got:
@@ -32,9 +32,9 @@ def _check_round_trip(store: DiskShardStore, sizes: list[int]) -> None:
 
 
 def test_forced_direct_store_writes_aligned_and_bypasses_the_cache(tmp_path):
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "d", direct_io=True)
-    store.write_blocking(_shards([10, 5000]))
-    store.write_blocking(_shards([7], output=1))
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "d", direct_io=True)
+    store.write_blocking(_pieces([10, 5000]))
+    store.write_blocking(_pieces([7], output=1))
     assert store._direct is not None
     assert fcntl.fcntl(store._direct.fd, fcntl.F_GETFL) & os.O_DIRECT
     # each write starts at an aligned offset: 5010 bytes padded to 8192, then 7 to 4096
@@ -52,7 +52,7 @@ def test_forced_direct_store_writes_aligned_and_bypasses_the_cache(tmp_path):
     [(64 << 10, 1, True), (1 << 20, 16, True), (1 << 20, 17, False), (4096, 4, False)],
 )
 def test_auto_decides_by_the_first_writes_bytes_per_output(tmp_path, nbytes, outputs, unbuffered):
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "auto")
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "auto")
     each = nbytes // outputs
     store.write_blocking([(o, 0, np.ones(each, np.uint8)) for o in range(outputs)])
     assert (store._direct is not None) == unbuffered
@@ -63,8 +63,8 @@ def test_auto_decides_by_the_first_writes_bytes_per_output(tmp_path, nbytes, out
 
 
 def test_direct_io_false_never_opens_unbuffered(tmp_path):
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "off", direct_io=False)
-    store.write_blocking(_shards([1 << 20]))
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "off", direct_io=False)
+    store.write_blocking(_pieces([1 << 20]))
     assert store._direct is None
     _check_round_trip(store, [1 << 20])
     store.close_blocking()
@@ -78,8 +78,8 @@ def test_a_file_system_refusing_o_direct_falls_back_to_the_cache(monkeypatch, tm
         return None
 
     monkeypatch.setattr(disk_module, "open_direct", refuse)
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "refused", direct_io=True)
-    store.write_blocking(_shards([100, 9000]))
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "refused", direct_io=True)
+    store.write_blocking(_pieces([100, 9000]))
     assert len(opened) == 1 and store._direct is None
     _check_round_trip(store, [100, 9000])
     store.close_blocking()
@@ -94,9 +94,9 @@ def test_einval_on_a_direct_write_falls_back_for_good(monkeypatch, tmp_path):
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(direct.DirectFile, "write_blocking", refuse)
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "einval", direct_io=True)
-    store.write_blocking(_shards([100, 9000]))
-    store.write_blocking(_shards([50], output=1))
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "einval", direct_io=True)
+    store.write_blocking(_pieces([100, 9000]))
+    store.write_blocking(_pieces([50], output=1))
     assert calls == [0] and store._direct is None  # tried once, then buffered
     _check_round_trip(store, [100, 9000])
     store.close_blocking()
@@ -108,25 +108,25 @@ def test_other_direct_write_errors_are_storage_errors(monkeypatch, tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(direct.DirectFile, "write_blocking", full)
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "full", direct_io=True)
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "full", direct_io=True)
     with pytest.raises(RechunkStorageError, match="No space left") as info:
-        store.write_blocking(_shards([10]))
+        store.write_blocking(_pieces([10]))
     assert info.value.errno == errno.ENOSPC
-    assert store.statistics().shards == 0
+    assert store.statistics().pieces == 0
     store.close_blocking()
     assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("buffer_bytes", [0, 3000])
 def test_reads_in_small_windows_units_and_huge_extents(monkeypatch, tmp_path, buffer_bytes):
-    """With tiny staging buffers and units, one output's shards (some larger than a staging
+    """With tiny staging buffers and units, one output's pieces (some larger than a staging
     buffer, some far apart, some adjacent) come back whole through every read path."""
     monkeypatch.setattr(direct, "STAGE_BYTES", 16384)
     monkeypatch.setattr(direct, "UNIT_BYTES", 8192)
     monkeypatch.setattr(direct, "GAP_BYTES", 4096)
     rng = np.random.default_rng(7)
     sizes = rng.choice([1, 100, 4095, 4096, 5000, 20000, 70000], size=40).tolist()
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "windows", buffer_bytes, direct_io=True)
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "windows", buffer_bytes, direct_io=True)
     for k, n in enumerate(sizes):  # output 0 interleaved with output 1 (gaps between)
         store.write_blocking([(0, k, np.full(n, (k + 1) % 251, np.uint8))])
         store.write_blocking([(1, k, np.full(3000, 9, np.uint8))])
@@ -143,10 +143,10 @@ def test_reads_in_small_windows_units_and_huge_extents(monkeypatch, tmp_path, bu
     store.close_blocking()
 
 
-def test_stacked_read_of_equal_shards_written_out_of_order(tmp_path):
-    """Equal-sized shards written out of order (several flushes) land in input order."""
+def test_stacked_read_of_equal_pieces_written_out_of_order(tmp_path):
+    """Equal-sized pieces written out of order (several flushes) land in input order."""
     width = 4096
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "equal", 3 * width, direct_io=True)
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "equal", 3 * width, direct_io=True)
     inputs = [5, 1, 7, 0, 3, 6, 2, 4]
     for i in inputs:
         store.write_blocking([(0, i, np.full(width, i + 1, np.uint8))])
@@ -157,8 +157,8 @@ def test_stacked_read_of_equal_shards_written_out_of_order(tmp_path):
 
 
 def test_a_truncated_file_is_a_storage_error_on_direct_read(tmp_path):
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "trunc", direct_io=True)
-    store.write_blocking(_shards([5000]))
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "trunc", direct_io=True)
+    store.write_blocking(_pieces([5000]))
     os.truncate(os.path.join(store.path, disk_module.DATA_FILE), 4096)
     with pytest.raises(RechunkStorageError, match="ended early"):
         store.read_blocking(0)
@@ -167,7 +167,7 @@ def test_a_truncated_file_is_a_storage_error_on_direct_read(tmp_path):
 
 
 def test_read_threads_stop_at_close(tmp_path):
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "threads", direct_io=True)
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "threads", direct_io=True)
     for k in range(6):  # far apart: several reads in flight
         store.write_blocking([(0, k, np.ones(200_000, np.uint8))])
         store.write_blocking([(1, k, np.ones(200_000, np.uint8))])
@@ -204,8 +204,8 @@ def test_a_failed_read_waits_for_the_others_before_the_buffer_is_reused(monkeypa
     the other reads into the same staging buffer have finished."""
     import time
 
-    store = DiskShardStore(np.dtype("u1"), tmp_path, "fail", direct_io=True)
-    for k in range(6):  # output 0's shards far apart: one read each, several in flight
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "fail", direct_io=True)
+    for k in range(6):  # output 0's pieces far apart: one read each, several in flight
         store.write_blocking([(0, k, np.ones(200_000, np.uint8))])
         store.write_blocking([(1, k, np.ones(200_000, np.uint8))])
     real, finished = os.preadv, []

@@ -1,4 +1,4 @@
-"""Reading an output's shards straight into the output array (both stores)."""
+"""Reading an output's pieces straight into the output array (both stores)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rechunk_p2p.store.base import place_blocking
 
 @pytest.mark.parametrize("kind", ["disk", "memory"])
 @pytest.mark.parametrize("dtype", ["f8", ">i4", "U3", [("a", "i2"), ("b", "f4")], "O"], ids=str)
-def test_read_into_places_every_shard_and_discards(tmp_path, kind, dtype):
+def test_read_into_places_every_piece_and_discards(tmp_path, kind, dtype):
     dtype = np.dtype(dtype)
     full = np.arange(6 * 8).reshape(6, 8).astype(dtype)
     # contiguous slabs along axis 0 and strided column blocks
@@ -41,7 +41,7 @@ def test_read_into_places_every_shard_and_discards(tmp_path, kind, dtype):
 
 
 @pytest.mark.parametrize("kind", ["disk", "memory"])
-def test_read_into_reports_missing_shards(tmp_path, kind):
+def test_read_into_reports_missing_pieces(tmp_path, kind):
     store = make_store(kind, dtype=np.dtype("f4"), directory=tmp_path, name="r")
     try:
         store.write_blocking([(0, 1, np.ones(3, "f4"))])
@@ -70,17 +70,17 @@ def test_place_blocking_copies_into_the_region_only(shape, where, dtype):
     out = np.zeros(shape, dtype=dtype)
     before = out.copy()
     region_shape = out[(*where, Ellipsis)].shape
-    shard = (np.arange(int(np.prod(region_shape))) + 1).astype(dtype).reshape(region_shape)
-    place_blocking(out, where, shard)
-    np.testing.assert_array_equal(out[(*where, Ellipsis)], shard)
+    piece = (np.arange(int(np.prod(region_shape))) + 1).astype(dtype).reshape(region_shape)
+    place_blocking(out, where, piece)
+    np.testing.assert_array_equal(out[(*where, Ellipsis)], piece)
     rest = np.ones(shape, bool)
     rest[(*where, Ellipsis)] = False
     np.testing.assert_array_equal(out[rest], before[rest])
 
 
-def test_place_blocking_takes_non_contiguous_and_large_shards():
+def test_place_blocking_takes_non_contiguous_and_large_pieces():
     out = np.zeros((4, 2**16), "f8")  # rows of 512 KiB: above the small-copy size
-    shard = np.arange(2 * 2**17, dtype="f8").reshape(2, 2**17)[:, ::2]  # strided source
-    place_blocking(out, (slice(1, 3), slice(None)), shard)
-    np.testing.assert_array_equal(out[1:3], shard)
+    piece = np.arange(2 * 2**17, dtype="f8").reshape(2, 2**17)[:, ::2]  # strided source
+    place_blocking(out, (slice(1, 3), slice(None)), piece)
+    np.testing.assert_array_equal(out[1:3], piece)
     assert not out[0].any() and not out[3].any()

@@ -1,4 +1,4 @@
-"""The store that fills some outputs in memory and spills the others: every shard goes to
+"""The store that fills some outputs in memory and spills the others: every piece goes to
 its output's part, batches are split without a copy where they can be, what is spilled is
 counted, and closing removes the files."""
 
@@ -18,7 +18,7 @@ from rechunk_p2p.transport.wire import (
     split_packed_blocking,
 )
 
-from .test_assembling_store import _expected, _partial, _shards
+from .test_assembling_store import _expected, _partial, _pieces
 
 F4 = np.dtype("f4")
 
@@ -44,7 +44,7 @@ def _take(store: SplitStore, partial, flat: int) -> np.ndarray:
         out, missing = store.take_output_blocking(flat)
     else:
         out = np.empty(partial.output_shape(flat), dtype=F4)
-        got = store.read_into_blocking(flat, out, dict(partial.shards_of_output(flat)))
+        got = store.read_into_blocking(flat, out, dict(partial.pieces_of_output(flat)))
         missing = sorted(set(range(partial.n_inputs)) - set(got))
     assert missing == []
     return out
@@ -75,13 +75,13 @@ def test_batches_are_split_between_memory_and_disk(tmp_path, in_memory, buffer_b
     assert not (tmp_path / "spill").exists()
 
 
-def test_shards_one_by_one_go_to_their_part_and_duplicates_are_dropped(tmp_path) -> None:
+def test_pieces_one_by_one_go_to_their_part_and_duplicates_are_dropped(tmp_path) -> None:
     partial = _partial((6, 4), (1, 4), (6, 1))
     data = np.arange(24, dtype=F4).reshape(6, 4)
-    shards = _shards(partial, data)
+    pieces = _pieces(partial, data)
     store = _split(partial, {3}, tmp_path / "spill")
-    assert store.write_blocking(shards) == data.nbytes
-    assert store.write_blocking(shards[:5]) == 0  # a retried delivery
+    assert store.write_blocking(pieces) == data.nbytes
+    assert store.write_blocking(pieces[:5]) == 0  # a retried delivery
     stats = store.statistics()
     assert (stats.duplicates, stats.bytes_spilled) == (5, 3 * 6 * F4.itemsize)
     for flat in range(partial.n_outputs):
@@ -89,20 +89,20 @@ def test_shards_one_by_one_go_to_their_part_and_duplicates_are_dropped(tmp_path)
     store.close_blocking()
 
 
-def test_a_bad_shard_stores_nothing_in_either_part(tmp_path) -> None:
+def test_a_bad_piece_stores_nothing_in_either_part(tmp_path) -> None:
     partial = _partial((2, 2), (1, 2), (2, 1))
     store = _split(partial, {0}, tmp_path / "spill")
     bad = [(0, 0, np.zeros(1, F4)), (1, 0, np.zeros(1, "f8"))]
     with pytest.raises(RechunkTypeError, match="holds dtype float32"):
         store.write_blocking(bad)
     stats = store.statistics()
-    assert (stats.shards, stats.bytes_written, stats.outputs) == (0, 0, 0)
+    assert (stats.pieces, stats.bytes_written, stats.outputs) == (0, 0, 0)
     store.close_blocking()
 
 
 def test_split_views_a_prefix_and_copies_anything_else() -> None:
-    shards = [(o, 7, np.full((2, o + 1), o, dtype=F4)) for o in range(4)]
-    packed = pack_blocking(shards, F4)
+    pieces = [(o, 7, np.full((2, o + 1), o, dtype=F4)) for o in range(4)]
+    packed = pack_blocking(pieces, F4)
     kept, rest = split_packed_blocking(packed, np.array([True, True, False, False]), F4)
     assert kept.outputs == (0, 1) and rest.outputs == (2, 3)
     assert np.shares_memory(kept.payload, packed.payload)

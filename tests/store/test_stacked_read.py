@@ -1,5 +1,5 @@
-"""Outputs whose shards lie one after another in memory are read by one move per shard (one
-read per run of shards that also lie one after another on disk), by both stores."""
+"""Outputs whose pieces lie one after another in memory are read by one move per piece (one
+read per run of pieces that also lie one after another on disk), by both stores."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.planning import Partial
-from rechunk_p2p.store import DiskShardStore, MemoryShardStore
+from rechunk_p2p.store import DiskPieceStore, MemoryPieceStore
 from rechunk_p2p.transport.wire import pack_blocking
 
 KINDS = ["memory", "disk", "disk-packed", "disk-buffered", "disk-direct", "disk-direct-buffered"]
@@ -26,22 +26,22 @@ def partial_of(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...
 
 def new_store(kind: str, dtype: np.dtype, name: str, directory: str):
     if kind == "memory":
-        return MemoryShardStore(dtype, name)
+        return MemoryPieceStore(dtype, name)
     buffer_bytes = 64 if kind.endswith("-buffered") else 0
-    return DiskShardStore(dtype, directory, name, buffer_bytes, direct_io="direct" in kind)
+    return DiskPieceStore(dtype, directory, name, buffer_bytes, direct_io="direct" in kind)
 
 
 def write_all(store, partial: Partial, data: np.ndarray, packed: bool = False) -> None:
-    """Every shard of ``data`` (the partial's whole array), as the engine cuts them: one
-    write per input, of its shards or (``packed``) of one batch holding them, as received."""
+    """Every piece of ``data`` (the partial's whole array), as the engine cuts them: one
+    write per input, of its pieces or (``packed``) of one batch holding them, as received."""
     starts = [np.cumsum((0, *c)) for c in partial.old_chunks]
     for flat, index in enumerate(itertools.product(*(range(n) for n in partial.old_grid))):
         chunk = data[tuple(slice(s[i], s[i + 1]) for s, i in zip(starts, index))]
-        shards = [(out, flat, chunk[where]) for out, where in partial.shards_of_input(flat)]
+        pieces = [(out, flat, chunk[where]) for out, where in partial.pieces_of_input(flat)]
         if packed:
-            store.write_packed_blocking([pack_blocking(shards, data.dtype)])
+            store.write_packed_blocking([pack_blocking(pieces, data.dtype)])
         else:
-            store.write_blocking(shards)
+            store.write_blocking(pieces)
 
 
 def chunks_summing_to(n: int) -> st.SearchStrategy[tuple[int, ...]]:
@@ -78,7 +78,7 @@ def test_stacked_outputs_match_the_placed_ones(kind, case):
 def compare_reads(partial: Partial, data: np.ndarray, stacked, placed) -> None:
     for flat in range(partial.n_outputs):
         want = np.empty(partial.output_shape(flat), data.dtype)
-        placement = dict(partial.shards_of_output(flat))
+        placement = dict(partial.pieces_of_output(flat))
         assert sorted(placed.read_into_blocking(flat, want, placement)) == sorted(placement)
         order = partial.stacked_inputs(flat)
         if order is None:
@@ -96,7 +96,7 @@ def test_maps_to_time_series_and_rows_to_columns_are_stacked_blocks_to_tiles_are
 
 
 @pytest.mark.parametrize("kind", ["memory", "disk", "disk-buffered"])
-def test_a_missing_shard_stops_the_read_and_a_wrong_size_raises(kind, tmp_path):
+def test_a_missing_piece_stops_the_read_and_a_wrong_size_raises(kind, tmp_path):
     store = new_store(kind, np.dtype("f8"), "m", str(tmp_path))
     store.write_blocking([(0, 0, np.ones((1, 2))), (0, 2, np.ones((1, 2)))])
     out = np.empty((3, 2))
@@ -120,7 +120,7 @@ def test_a_write_buffer_lays_each_output_out_in_one_piece_per_flush(
 
     partial = partial_of(((1,) * 64, (64,)), ((64,), (8,) * 8))
     data = np.arange(64 * 64, dtype="f8").reshape(64, 64)
-    store = DiskShardStore(data.dtype, str(tmp_path), "b", buffer_bytes=buffer_bytes)
+    store = DiskPieceStore(data.dtype, str(tmp_path), "b", buffer_bytes=buffer_bytes)
     write_all(store, partial, data, packed=True)
     calls = []
     real = os.preadv
@@ -138,8 +138,8 @@ def test_a_write_buffer_lays_each_output_out_in_one_piece_per_flush(
 
 @pytest.mark.parametrize("kind", KINDS[:3])
 @pytest.mark.parametrize("dtype", ["f4", "M8[s]", "c16"])
-def test_stacked_shards_of_every_size_and_layout(kind, dtype, tmp_path):
-    """Small contiguous shards (moved with the GIL held), one past ``SMALL_COPY_BYTES``
+def test_stacked_pieces_of_every_size_and_layout(kind, dtype, tmp_path):
+    """Small contiguous pieces (moved with the GIL held), one past ``SMALL_COPY_BYTES``
     (copied by numpy), a strided one and an empty one, of float, complex and datetime
     dtypes."""
     from rechunk_p2p.store.base import SMALL_COPY_BYTES
@@ -151,7 +151,7 @@ def test_stacked_shards_of_every_size_and_layout(kind, dtype, tmp_path):
     values = np.arange(sum(rows) * width).reshape(-1, width)
     data = values.astype("M8[s]") if dtype.kind == "M" else values.astype(dtype)
     starts = np.cumsum([0, *rows])
-    shards = []
+    pieces = []
     for i, (lo, hi) in enumerate(itertools.pairwise(starts.tolist())):
         piece = data[lo:hi]
         if i == 3:  # strided: every other column of a twice-as-wide array
@@ -159,12 +159,12 @@ def test_stacked_shards_of_every_size_and_layout(kind, dtype, tmp_path):
             wide[:, ::2] = piece
             piece = wide[:, ::2]
             assert not piece.flags.c_contiguous
-        shards.append((0, i, piece))
+        pieces.append((0, i, piece))
     store = new_store(kind, dtype, "sizes", str(tmp_path))
     if kind == "disk-packed":
-        store.write_packed_blocking([pack_blocking(shards, dtype)])
+        store.write_packed_blocking([pack_blocking(pieces, dtype)])
     else:
-        store.write_blocking(shards)
+        store.write_blocking(pieces)
     out = np.empty_like(data)
     assert store.read_stacked_blocking(0, out, list(range(len(rows)))) == list(range(len(rows)))
     np.testing.assert_array_equal(out, data)

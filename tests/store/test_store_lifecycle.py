@@ -23,7 +23,7 @@ from rechunk_p2p.store import files as files_module
 from .helpers import assert_same
 
 
-def shard(output: int, input_: int, n: int = 4) -> tuple[int, int, np.ndarray]:
+def piece(output: int, input_: int, n: int = 4) -> tuple[int, int, np.ndarray]:
     return output, input_, np.full(n, 1000 * output + input_, dtype="i8")
 
 
@@ -32,12 +32,12 @@ def shard(output: int, input_: int, n: int = 4) -> tuple[int, int, np.ndarray]:
 
 def test_duplicates_dropped_and_counted(make):
     store = make("i8")
-    assert store.write_blocking([shard(0, 0), shard(0, 1), shard(1, 0)]) == 96
+    assert store.write_blocking([piece(0, 0), piece(0, 1), piece(1, 0)]) == 96
     # a retried delivery, plus a duplicate inside one batch: only (2, 0) is new
-    retried = [shard(0, 1), shard(2, 0), (2, 0, np.full(4, -1, dtype="i8")), shard(1, 0)]
+    retried = [piece(0, 1), piece(2, 0), (2, 0, np.full(4, -1, dtype="i8")), piece(1, 0)]
     assert store.write_blocking(retried) == 32
     stats = store.statistics()
-    assert (stats.shards, stats.duplicates, stats.outputs) == (4, 3, 3)
+    assert (stats.pieces, stats.duplicates, stats.outputs) == (4, 3, 3)
     assert stats.bytes_written == stats.bytes_buffered == 128
     [(_, got)] = store.read_blocking(2)
     assert got.tolist() == [2000] * 4  # the first copy wins
@@ -46,17 +46,17 @@ def test_duplicates_dropped_and_counted(make):
 
 def test_late_duplicate_after_discard_is_dropped(make):
     store = make("i8")
-    store.write_blocking([shard(3, 1)])
+    store.write_blocking([piece(3, 1)])
     assert len(store.read_blocking(3)) == 1
-    assert store.write_blocking([shard(3, 1)]) == 0
+    assert store.write_blocking([piece(3, 1)]) == 0
     assert store.read_blocking(3) == []
     stats = store.statistics()
-    assert (stats.shards, stats.duplicates, stats.outputs, stats.bytes_buffered) == (1, 1, 0, 0)
+    assert (stats.pieces, stats.duplicates, stats.outputs, stats.bytes_buffered) == (1, 1, 0, 0)
 
 
 def test_reading_discards_the_output(make):
     store = make("i8")
-    store.write_blocking([shard(0, 0), shard(0, 1), shard(1, 5)])
+    store.write_blocking([piece(0, 0), piece(0, 1), piece(1, 5)])
     first = store.read_blocking(0)
     assert [i for i, _ in first] == [0, 1]
     stats = store.statistics()
@@ -73,7 +73,7 @@ def test_statistics_snapshot_is_immutable(make, kind):
     store.write_blocking([(0, 0, np.zeros(10, "f4"))])
     stats = store.statistics()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        stats.shards = 5  # type: ignore[misc]
+        stats.pieces = 5  # type: ignore[misc]
     assert not hasattr(stats, "__dict__")
     in_memory = 0 if kind in ("disk", "disk-direct") else 40  # none, or all (or the buffer)
     spilled = 40 if kind.startswith("disk") else 0
@@ -83,9 +83,9 @@ def test_statistics_snapshot_is_immutable(make, kind):
 def test_batch_validated_before_anything_is_stored(make):
     store = make("i8")
     with pytest.raises(RechunkTypeError, match="holds dtype int64"):
-        store.write_blocking([shard(0, 0), (0, 1, np.zeros(3, "f8"))])
+        store.write_blocking([piece(0, 0), (0, 1, np.zeros(3, "f8"))])
     with pytest.raises(RechunkTypeError, match="numpy arrays"):
-        store.write_blocking([shard(0, 0), (0, 1, [1, 2, 3])])
+        store.write_blocking([piece(0, 0), (0, 1, [1, 2, 3])])
     with pytest.raises(RechunkTypeError, match="integer indices"):
         store.write_blocking([(0.5, 1, np.zeros(3, "i8"))])
     assert store.statistics() == StoreStatistics(store.statistics().kind, 0, 0, 0, 0, 0, 0)
@@ -111,15 +111,15 @@ def test_unknown_kind():
 
 def test_close_is_idempotent_and_use_after_close_raises(make, kind):
     store = make("i8", name="rechunk-xyz-run-3")
-    store.write_blocking([shard(0, 0)])
+    store.write_blocking([piece(0, 0)])
     store.close_blocking()
     store.close_blocking()
     with pytest.raises(RechunkRunError, match=r"'rechunk-xyz-run-3'.*closed"):
-        store.write_blocking([shard(1, 0)])
+        store.write_blocking([piece(1, 0)])
     with pytest.raises(RechunkRunError, match=r"'rechunk-xyz-run-3'.*closed"):
         store.read_blocking(0)
     stats = store.statistics()
-    assert (stats.shards, stats.bytes_buffered, stats.outputs) == (1, 0, 0)
+    assert (stats.pieces, stats.bytes_buffered, stats.outputs) == (1, 0, 0)
 
 
 def test_close_without_writes(make):
@@ -134,7 +134,7 @@ def test_disk_directory_is_created_lazily_and_removed(tmp_path):
     assert store.path is None and not parent.exists()
     store.write_blocking([])
     assert not parent.exists()
-    store.write_blocking([shard(0, 0)])
+    store.write_blocking([piece(0, 0)])
     assert store.path == str(parent / "rechunk_a_b_c")
     assert os.listdir(store.path) == [disk_module.DATA_FILE]
     store.close_blocking()
@@ -142,7 +142,7 @@ def test_disk_directory_is_created_lazily_and_removed(tmp_path):
     existing = tmp_path / "existing"
     existing.mkdir()
     store = make_store("disk", dtype=np.dtype("i8"), directory=existing, name="s")
-    store.write_blocking([shard(0, 0)])
+    store.write_blocking([piece(0, 0)])
     store.close_blocking()
     assert existing.exists() and not os.listdir(existing)
 
@@ -150,8 +150,8 @@ def test_disk_directory_is_created_lazily_and_removed(tmp_path):
 def test_disk_stores_with_the_same_name_do_not_collide(tmp_path):
     one = make_store("disk", dtype=np.dtype("i8"), directory=tmp_path, name="same")
     two = make_store("disk", dtype=np.dtype("i8"), directory=tmp_path, name="same")
-    one.write_blocking([shard(0, 0)])
-    two.write_blocking([shard(0, 0, n=7)])
+    one.write_blocking([piece(0, 0)])
+    two.write_blocking([piece(0, 0, n=7)])
     assert one.path != two.path
     assert os.path.basename(two.path).startswith("same-")
     one.close_blocking()
@@ -173,7 +173,7 @@ def fail_with(code: int):
 
 def test_enospc_raises_actionable_error_and_close_cleans_up(monkeypatch, tmp_path):
     store = make_store("disk", dtype=np.dtype("i8"), directory=tmp_path, name="rechunk-42-run-7")
-    store.write_blocking([shard(0, 0)])
+    store.write_blocking([piece(0, 0)])
     real_pwritev = os.pwritev
     calls = []
 
@@ -186,7 +186,7 @@ def test_enospc_raises_actionable_error_and_close_cleans_up(monkeypatch, tmp_pat
     monkeypatch.setattr(os, "pwritev", partial_then_full)
     monkeypatch.setattr(os, "pwrite", fail_with(errno.ENOSPC))
     with pytest.raises(RechunkStorageError) as info:
-        store.write_blocking([shard(1, 0, n=100), shard(2, 0, n=28)])
+        store.write_blocking([piece(1, 0, n=100), piece(2, 0, n=28)])
     error = info.value
     assert isinstance(error, OSError)
     assert error.errno == errno.ENOSPC
@@ -204,10 +204,10 @@ def test_enospc_raises_actionable_error_and_close_cleans_up(monkeypatch, tmp_pat
     assert len(calls) == 2
     assert os.path.getsize(os.path.join(store.path, disk_module.DATA_FILE)) > 32  # partial data
     stats = store.statistics()
-    assert (stats.shards, stats.bytes_written, stats.outputs) == (1, 32, 1)
-    # the failed shards were not recorded as stored: a retry once space is free succeeds
+    assert (stats.pieces, stats.bytes_written, stats.outputs) == (1, 32, 1)
+    # the failed pieces were not recorded as stored: a retry once space is free succeeds
     monkeypatch.undo()
-    assert store.write_blocking([shard(1, 0, n=100)]) == 800
+    assert store.write_blocking([piece(1, 0, n=100)]) == 800
     assert store.read_blocking(1)[0][1].tolist() == [1000] * 100
     store.close_blocking()
     assert not os.listdir(tmp_path)
@@ -218,16 +218,16 @@ def test_failure_creating_the_directory_is_a_storage_error(tmp_path):
     blocker.write_text("x")
     store = make_store("disk", dtype=np.dtype("i8"), directory=blocker, name="s")
     with pytest.raises(RechunkStorageError, match="could not write 32 bytes") as info:
-        store.write_blocking([shard(0, 0)])
+        store.write_blocking([piece(0, 0)])
     assert info.value.errno in (errno.ENOTDIR, errno.EEXIST)
-    assert store.statistics().shards == 0
+    assert store.statistics().pieces == 0
     store.close_blocking()
     assert os.listdir(tmp_path) == ["not-a-dir"]
 
 
 def test_truncated_file_is_a_storage_error_on_read(tmp_path):
     store = make_store("disk", dtype=np.dtype("i8"), directory=tmp_path, name="trunc")
-    store.write_blocking([shard(0, 0), shard(1, 0)])
+    store.write_blocking([piece(0, 0), piece(1, 0)])
     os.truncate(os.path.join(store.path, disk_module.DATA_FILE), 40)
     [(_, ok)] = store.read_blocking(0)
     assert ok.tolist() == [0] * 4
@@ -276,7 +276,7 @@ def test_batches_larger_than_iov_max(monkeypatch, tmp_path):
 
     monkeypatch.setattr(os, "preadv", counting_preadv)
     store = make_store("disk", dtype=np.dtype("i2"), directory=tmp_path, name="iov")
-    # 10 shards of output 0 are adjacent on disk (a batch is sorted by output): reads coalesce
+    # 10 pieces of output 0 are adjacent on disk (a batch is sorted by output): reads coalesce
     store.write_blocking([(o, i, np.full(3, 10 * o + i, "i2")) for i in range(10) for o in (1, 0)])
     got = store.read_blocking(0)
     assert [a.tolist() for _, a in got] == [[i] * 3 for i in range(10)]
@@ -286,7 +286,7 @@ def test_batches_larger_than_iov_max(monkeypatch, tmp_path):
 
 def test_failure_to_remove_is_reported_once(monkeypatch, tmp_path):
     store = make_store("disk", dtype=np.dtype("i8"), directory=tmp_path, name="stuck")
-    store.write_blocking([shard(0, 0)])
+    store.write_blocking([piece(0, 0)])
     path = store.path
     monkeypatch.setattr(shutil, "rmtree", fail_with(errno.EACCES))
     with pytest.raises(RechunkStorageError, match="Remove that directory by hand") as info:
@@ -315,18 +315,18 @@ def _gated_pwritev(monkeypatch):
 
 def test_writers_go_on_while_half_the_write_buffer_is_written(monkeypatch, tmp_path):
     """Half the buffer goes to the flush thread; writers fill the other half meanwhile and
-    wait only when both are full; every shard is read back."""
+    wait only when both are full; every piece is read back."""
     import threading
 
     store = make_store(
         "disk", dtype=np.dtype("i8"), directory=tmp_path, name="rechunk-1-run-1", buffer_bytes=1600
     )
     gate, entered = _gated_pwritev(monkeypatch)
-    store.write_blocking([shard(0, 0, n=100)])  # 800 bytes: half the buffer, handed on
+    store.write_blocking([piece(0, 0, n=100)])  # 800 bytes: half the buffer, handed on
     assert entered.wait(20)  # the flush thread is in the (held) write
-    store.write_blocking([shard(1, 0, n=50)])  # returns although the disk is held
+    store.write_blocking([piece(1, 0, n=50)])  # returns although the disk is held
     assert store.statistics().max_bytes_in_memory == 1200
-    blocked = threading.Thread(target=store.write_blocking, args=([shard(2, 0, n=100)],))
+    blocked = threading.Thread(target=store.write_blocking, args=([piece(2, 0, n=100)],))
     blocked.start()
     blocked.join(0.3)
     assert blocked.is_alive()  # both halves full: it waits for the write in flight
@@ -346,11 +346,11 @@ def test_a_failed_background_write_is_raised_to_the_next_caller(monkeypatch, tmp
     )
     monkeypatch.setattr(os, "pwritev", fail_with(errno.ENOSPC))
     monkeypatch.setattr(os, "pwrite", fail_with(errno.ENOSPC))
-    store.write_blocking([shard(0, 0, n=100)])  # handed to the flush thread, which fails
+    store.write_blocking([piece(0, 0, n=100)])  # handed to the flush thread, which fails
     with pytest.raises(RechunkStorageError, match="Free space") as info:
         store.read_blocking(0)
     assert info.value.errno == errno.ENOSPC
     with pytest.raises(RechunkStorageError):
-        store.write_blocking([shard(1, 0, n=10)])
+        store.write_blocking([piece(1, 0, n=10)])
     store.close_blocking()
     assert not os.listdir(tmp_path)

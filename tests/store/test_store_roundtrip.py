@@ -1,4 +1,4 @@
-"""Round trips through both shard stores: every dtype, 0-d, zero-size, non-contiguous input."""
+"""Round trips through both piece stores: every dtype, 0-d, zero-size, non-contiguous input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rechunk_p2p.store import DiskShardStore, MemoryShardStore, ShardStore, make_store
+from rechunk_p2p.store import DiskPieceStore, MemoryPieceStore, PieceStore, make_store
 
 from .helpers import assert_same
 
@@ -76,7 +76,7 @@ def test_round_trip_every_dtype(make, dtype):
     written = store.write_blocking((o, i, a) for (o, i), a in arrays.items())
     stats = store.statistics()
     assert written == stats.bytes_written == stats.bytes_buffered > 0
-    assert (stats.shards, stats.outputs, stats.duplicates) == (12, 3, 0)
+    assert (stats.pieces, stats.outputs, stats.duplicates) == (12, 3, 0)
     for o in range(3):
         got = store.read_blocking(o)
         assert [i for i, _ in got] == [0, 1, 2, 3]
@@ -92,7 +92,7 @@ def test_zero_d_and_zero_size(make, dtype, shape):
     array = sample(dtype, shape, seed=3)
     other = sample(dtype, (2,), seed=4)
     store.write_blocking([(5, 0, array), (5, 1, other), (6, 0, array)])
-    assert store.statistics().shards == 3
+    assert store.statistics().pieces == 3
     (i0, a0), (i1, a1) = store.read_blocking(5)
     assert (i0, i1) == (0, 1)
     assert_same(array, a0)
@@ -152,7 +152,7 @@ def test_disk_store_reads_into_fresh_owned_buffers(tmp_path):
     store.close_blocking()
 
 
-def test_large_shards_round_trip(tmp_path):
+def test_large_pieces_round_trip(tmp_path):
     store = make_store("disk", dtype=np.dtype("u8"), directory=tmp_path, name="big")
     big = np.random.default_rng(0).integers(0, 2**63, size=(2048, 1024), dtype="u8")  # 16 MiB
     small = np.arange(3, dtype="u8")
@@ -166,10 +166,10 @@ def test_large_shards_round_trip(tmp_path):
 def test_make_store_returns_the_right_classes(tmp_path):
     memory = make_store("memory", dtype=np.dtype("f8"), directory=tmp_path, name="x")
     disk = make_store("disk", dtype=np.dtype("f8"), directory=tmp_path, name="x")
-    assert isinstance(memory, MemoryShardStore)
-    assert isinstance(disk, DiskShardStore)
-    assert isinstance(memory, ShardStore)
-    assert isinstance(disk, ShardStore)
+    assert isinstance(memory, MemoryPieceStore)
+    assert isinstance(disk, DiskPieceStore)
+    assert isinstance(memory, PieceStore)
+    assert isinstance(disk, PieceStore)
     assert (memory.statistics().kind, disk.statistics().kind) == ("memory", "disk")
     for store in (memory, disk):
         store.close_blocking()
@@ -186,7 +186,7 @@ DTYPES = (
 
 
 @st.composite
-def shard_arrays(draw: st.DrawFn) -> np.ndarray:
+def piece_arrays(draw: st.DrawFn) -> np.ndarray:
     dtype = draw(DTYPES)
     array = draw(
         hnp.arrays(dtype, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
@@ -198,7 +198,7 @@ def shard_arrays(draw: st.DrawFn) -> np.ndarray:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(shard_arrays(), min_size=1, max_size=4), st.sampled_from(["memory", "disk"]))
+@given(st.lists(piece_arrays(), min_size=1, max_size=4), st.sampled_from(["memory", "disk"]))
 def test_random_arrays_round_trip(arrays, kind):
     dtype = arrays[0].dtype
     arrays = [a for a in arrays if a.dtype == dtype]
@@ -216,24 +216,24 @@ def test_random_arrays_round_trip(arrays, kind):
 
 @pytest.mark.parametrize("dtype", ["f4", ">i8", "U3", "O"])
 def test_packed_batches_round_trip_and_drop_pairs_stored_before(make, dtype):
-    """Batches as they come off the wire: shards of several shapes in one payload, a batch
+    """Batches as they come off the wire: pieces of several shapes in one payload, a batch
     half made of pairs already stored (a re-run transfer), and a batch wholly repeated."""
     from rechunk_p2p.transport.wire import pack_blocking
 
     store = make(dtype)
     dt = np.dtype(dtype)
-    shards = {
+    pieces = {
         o: np.arange(o * 10, o * 10 + (o + 1) * 2).astype(dt).reshape(o + 1, 2) for o in range(4)
     }
-    first = pack_blocking([(o, 7, shards[o]) for o in (0, 1, 2)], dt)
-    again = pack_blocking([(o, 7, shards[o]) for o in (1, 3)], dt)  # (1, 7) stored before
+    first = pack_blocking([(o, 7, pieces[o]) for o in (0, 1, 2)], dt)
+    again = pack_blocking([(o, 7, pieces[o]) for o in (1, 3)], dt)  # (1, 7) stored before
     written = [store.write_packed_blocking([first]), store.write_packed_blocking([again, first])]
     if not dt.hasobject:  # (pickled sizes otherwise)
-        assert written == [sum(shards[o].nbytes for o in (0, 1, 2)), shards[3].nbytes]
+        assert written == [sum(pieces[o].nbytes for o in (0, 1, 2)), pieces[3].nbytes]
     stats = store.statistics()
-    assert (stats.shards, stats.duplicates, stats.outputs) == (4, 4, 4)
+    assert (stats.pieces, stats.duplicates, stats.outputs) == (4, 4, 4)
     for o in range(4):
         [(input_, got)] = store.read_blocking(o)
         assert input_ == 7
-        assert_same(shards[o], got)
+        assert_same(pieces[o], got)
     assert store.statistics().outputs == 0

@@ -16,8 +16,8 @@ from rechunk_p2p.transport.wire import Packed, pack_blocking
 NO_RETRY_DELAY = RetryPolicy(count=3, delay_min=0.001, delay_max=0.002)
 
 
-def shard(out: int, inp: int, nbytes: int = 100) -> Packed:
-    """One packed shard of ``nbytes`` bytes."""
+def piece(out: int, inp: int, nbytes: int = 100) -> Packed:
+    """One packed piece of ``nbytes`` bytes."""
     return pack_blocking([(out, inp, np.full(nbytes, inp % 256, dtype="u1"))], np.dtype("u1"))
 
 
@@ -69,7 +69,7 @@ async def test_batches_respect_message_size_and_deliver_everything():
     send = Recorder()
     comm, limiter = make(send)
     await put_all(
-        comm, {"a": [shard(0, i) for i in range(10)], "b": [shard(1, i) for i in range(3)]}
+        comm, {"a": [piece(0, i) for i in range(10)], "b": [piece(1, i) for i in range(3)]}
     )
     await comm.flush()
     delivered = {(addr, p.inputs[0]) for addr, batch in send.batches for p in batch}
@@ -82,10 +82,10 @@ async def test_batches_respect_message_size_and_deliver_everything():
 
 
 @gen_test()
-async def test_oversized_shard_is_sent_alone():
+async def test_oversized_piece_is_sent_alone():
     send = Recorder()
     comm, limiter = make(send, limit=500, message_bytes=250)
-    await put_all(comm, {"a": [shard(0, 0, 1000), shard(0, 1, 10)]})
+    await put_all(comm, {"a": [piece(0, 0, 1000), piece(0, 1, 10)]})
     await comm.flush()
     assert [len(b) for _, b in send.batches] == [1, 1]
     assert limiter.used == 0
@@ -96,7 +96,7 @@ async def test_concurrency_is_bounded():
     send = Recorder()
     send.release.clear()
     comm, _ = make(send, concurrency=2, message_bytes=100)  # each a message's worth
-    await put_all(comm, {addr: [shard(0, 0)] for addr in "abcdef"})
+    await put_all(comm, {addr: [piece(0, 0)] for addr in "abcdef"})
     await asyncio.sleep(0.05)
     assert send.in_flight == 2
     send.release.set()
@@ -110,9 +110,9 @@ async def test_put_waits_while_buffer_is_full():
     send = Recorder()
     send.release.clear()
     comm, limiter = make(send, limit=300, message_bytes=100)
-    await put_all(comm, {"a": [shard(0, i) for i in range(3)]})
+    await put_all(comm, {"a": [piece(0, i) for i in range(3)]})
     assert limiter.used == 300
-    blocked = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 3)]}))
+    blocked = asyncio.ensure_future(put_all(comm, {"a": [piece(0, 3)]}))
     await asyncio.sleep(0.05)
     assert not blocked.done()
     send.release.set()
@@ -128,9 +128,9 @@ async def test_a_run_budget_holds_sends_back_within_the_worker_limit():
     send.release.clear()
     worker, run = ByteLimiter(10_000), ByteLimiter(200)
     comm = CommBuffer(send, worker, asyncio.Semaphore(2), 100, NO_RETRY_DELAY, run_limiter=run)
-    await put_all(comm, {"a": [shard(0, 0), shard(0, 1)]})
+    await put_all(comm, {"a": [piece(0, 0), piece(0, 1)]})
     assert (run.used, worker.used) == (200, 200)
-    blocked = asyncio.ensure_future(put_all(comm, {"b": [shard(1, 2)]}))
+    blocked = asyncio.ensure_future(put_all(comm, {"b": [piece(1, 2)]}))
     await asyncio.sleep(0.05)
     assert not blocked.done()  # the run's budget is full, the worker's is not
     send.release.set()
@@ -147,8 +147,8 @@ async def test_a_put_waiting_at_the_worker_limit_gives_the_run_budget_back_on_cl
     send.release.clear()
     worker, run = ByteLimiter(100), ByteLimiter(10_000)
     comm = CommBuffer(send, worker, asyncio.Semaphore(2), 100, NO_RETRY_DELAY, run_limiter=run)
-    await put_all(comm, {"a": [shard(0, 0)]})
-    blocked = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 1)]}))
+    await put_all(comm, {"a": [piece(0, 0)]})
+    blocked = asyncio.ensure_future(put_all(comm, {"a": [piece(0, 1)]}))
     await asyncio.sleep(0.05)
     assert run.used == 200 and worker.used == 100  # waiting on the worker's limit
     assert not blocked.done()
@@ -164,8 +164,8 @@ async def test_a_put_waiting_for_room_fails_with_the_send_error():
     send = Recorder(fail_times=100)
     send.release.clear()
     comm, limiter = make(send, limit=100, message_bytes=100)
-    await put_all(comm, {"a": [shard(0, 0)]})
-    blocked = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 1)]}))
+    await put_all(comm, {"a": [piece(0, 0)]})
+    blocked = asyncio.ensure_future(put_all(comm, {"a": [piece(0, 1)]}))
     await asyncio.sleep(0.05)
     assert not blocked.done()
     send.release.set()
@@ -178,7 +178,7 @@ async def test_a_put_waiting_for_room_fails_with_the_send_error():
 async def test_transient_errors_are_retried():
     send = Recorder(fail_times=2)
     comm, _ = make(send)
-    await put_all(comm, {"a": [shard(0, 0)]})
+    await put_all(comm, {"a": [piece(0, 0)]})
     await comm.flush()
     assert len(send.batches) == 1
     assert comm.statistics().retries == 2
@@ -188,12 +188,12 @@ async def test_transient_errors_are_retried():
 async def test_too_many_errors_fail_flush_and_later_puts():
     send = Recorder(fail_times=100)
     comm, limiter = make(send)
-    await put_all(comm, {"a": [shard(0, i) for i in range(5)]})
+    await put_all(comm, {"a": [piece(0, i) for i in range(5)]})
     with pytest.raises(RechunkCommError, match="injected") as info:
         await comm.flush()
     assert isinstance(info.value.__cause__, OSError)  # the original error, kept as the cause
     with pytest.raises(RechunkCommError, match="injected"):
-        await put_all(comm, {"a": [shard(0, 9)]})
+        await put_all(comm, {"a": [piece(0, 9)]})
     assert limiter.used == 0
 
 
@@ -212,7 +212,7 @@ async def test_a_silent_peer_fails_within_the_deadline():
         retry=RetryPolicy(count=3, delay_min=0.01, delay_max=0.02, timeout=0.3),
         name="Rechunk r (run 1) on w",
     )
-    await put_all(comm, {"a": [shard(0, 0)]})
+    await put_all(comm, {"a": [piece(0, 0)]})
     start = asyncio.get_running_loop().time()
     with pytest.raises(RechunkCommError, match=r"data plane at a within 0\.3 s"):
         await comm.flush()
@@ -223,7 +223,7 @@ async def test_a_silent_peer_fails_within_the_deadline():
 async def test_permanent_errors_are_not_retried():
     send = Recorder(fail_times=1, error=ValueError)
     comm, _ = make(send)
-    await put_all(comm, {"a": [shard(0, 0)]})
+    await put_all(comm, {"a": [piece(0, 0)]})
     with pytest.raises(ValueError, match="injected"):
         await comm.flush()
     assert comm.statistics().retries == 0
@@ -234,28 +234,28 @@ async def test_close_drops_queue_and_releases_bytes():
     send = Recorder()
     send.release.clear()
     comm, limiter = make(send, concurrency=1, message_bytes=100)
-    await put_all(comm, {"a": [shard(0, i) for i in range(5)]})
+    await put_all(comm, {"a": [piece(0, i) for i in range(5)]})
     assert limiter.used == 500
     await comm.close()
     assert limiter.used == 0
     with pytest.raises(RuntimeError, match="closed"):
-        await put_all(comm, {"a": [shard(0, 7)]})
-    # a flush after the queue was dropped must not report the shards delivered
+        await put_all(comm, {"a": [piece(0, 7)]})
+    # a flush after the queue was dropped must not report the pieces delivered
     with pytest.raises(StaleRunError, match="closed"):
         await comm.flush()
 
 
 @gen_test()
-async def test_forgetting_a_departed_peer_drops_its_shards_and_its_failure():
+async def test_forgetting_a_departed_peer_drops_its_pieces_and_its_failure():
     send = Recorder(fail_times=100)  # "gone" refuses every send
     comm, limiter = make(send, concurrency=1, message_bytes=100)
-    await put_all(comm, {"gone": [shard(0, i) for i in range(3)]})
+    await put_all(comm, {"gone": [piece(0, i) for i in range(3)]})
     with pytest.raises(RechunkCommError):
         await comm.flush()  # failed on it, for good
     comm.forget({"gone"})
     assert comm.phase.value == "sending" and limiter.used == 0
     send.fail_times = 0
-    await put_all(comm, {"gone": [shard(0, 5)], "here": [shard(1, 5)]})
+    await put_all(comm, {"gone": [piece(0, 5)], "here": [piece(1, 5)]})
     await asyncio.wait_for(comm.flush(), 5)
     assert [address for address, _ in send.batches] == ["here"]  # nothing more for "gone"
     assert limiter.used == 0
@@ -265,7 +265,7 @@ async def test_forgetting_a_departed_peer_drops_its_shards_and_its_failure():
 async def test_forgetting_a_peer_whose_sends_have_not_started_lets_flush_return():
     send = Recorder()
     comm, limiter = make(send)
-    comm._enqueue("gone", shard(0, 1), 100)  # its drainer is created, not started yet
+    comm._enqueue("gone", piece(0, 1), 100)  # its drainer is created, not started yet
     limiter.acquire_blocking(100)  # (the bytes a put holds)
     comm.forget({"gone"})  # in the same loop turn: the drainer never runs
     await asyncio.wait_for(comm.flush(), 5)
@@ -285,8 +285,8 @@ async def test_a_put_waiting_for_room_gives_up_when_the_worker_closes():
         NO_RETRY_DELAY,
         closing=lambda: closing,
     )
-    await put_all(comm, {"a": [shard(0, 1)]})
-    waiting = asyncio.ensure_future(put_all(comm, {"a": [shard(0, 2)]}))
+    await put_all(comm, {"a": [piece(0, 1)]})
+    waiting = asyncio.ensure_future(put_all(comm, {"a": [piece(0, 2)]}))
     await asyncio.sleep(0.2)
     assert not waiting.done()
     closing = True
@@ -332,7 +332,7 @@ def test_a_put_after_the_sending_loop_closed_fails_as_stale_and_holds_nothing():
     comm = loop.run_until_complete(_make_on(loop, limiter))
     loop.close()  # the data plane's loop is gone (the worker is closing)
     with pytest.raises(StaleRunError, match="data plane stopped"):
-        comm.put_blocking({"a": shard(0, 0)})
+        comm.put_blocking({"a": piece(0, 0)})
     assert limiter.used == 0
 
 
@@ -341,17 +341,17 @@ async def _make_on(loop, limiter):
 
 
 @gen_test()
-async def test_shards_are_staged_until_a_message_worth_and_go_at_the_barrier():
+async def test_pieces_are_staged_until_a_message_worth_and_go_at_the_barrier():
     send = Recorder()
-    comm, limiter = make(send, message_bytes=1000)  # ten 100-byte shards
-    await put_all(comm, {"a": [shard(0, i) for i in range(9)]})
+    comm, limiter = make(send, message_bytes=1000)  # ten 100-byte pieces
+    await put_all(comm, {"a": [piece(0, i) for i in range(9)]})
     await asyncio.sleep(0.05)
     assert send.batches == [] and comm.statistics().bytes_queued == 900  # staged, held
     assert limiter.used == 900
-    await put_all(comm, {"a": [shard(0, 9)]})  # the tenth: a message's worth, one wake-up
+    await put_all(comm, {"a": [piece(0, 9)]})  # the tenth: a message's worth, one wake-up
     while not send.batches:
         await asyncio.sleep(0.01)
-    await put_all(comm, {"a": [shard(0, 10)]})
+    await put_all(comm, {"a": [piece(0, 10)]})
     await asyncio.sleep(0.05)
     assert [len(b) for _, b in send.batches] == [10]  # one message of ten, the 11th waits
     await comm.flush()  # the barrier takes what is staged
@@ -364,9 +364,9 @@ async def test_a_destination_waits_for_a_message_worth_of_its_own():
     comm, limiter = make(send, message_bytes=1000)
     # 1,800 bytes staged wake the loop; only a's queue makes a message
     await put_all(
-        comm, {"a": [shard(0, i) for i in range(10)], "b": [shard(1, i) for i in range(4)]}
+        comm, {"a": [piece(0, i) for i in range(10)], "b": [piece(1, i) for i in range(4)]}
     )
-    await put_all(comm, {"c": [shard(2, i) for i in range(4)]})
+    await put_all(comm, {"c": [piece(2, i) for i in range(4)]})
     while not send.batches:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
@@ -376,7 +376,7 @@ async def test_a_destination_waits_for_a_message_worth_of_its_own():
     assert sorted((a, len(b)) for a, b in send.batches) == [("a", 10), ("b", 4), ("c", 4)]
     assert limiter.used == 0 and comm.statistics().messages == 3
     # queues fill up to a message again after the barrier
-    await put_all(comm, {"b": [shard(1, i) for i in range(4, 15)]})
+    await put_all(comm, {"b": [piece(1, i) for i in range(4, 15)]})
     await asyncio.sleep(0.05)
     assert [len(b) for a, b in send.batches if a == "b"] == [4, 10]
     await comm.flush()
@@ -390,12 +390,12 @@ async def test_a_thread_waiting_for_room_hands_on_what_any_buffer_staged():
     one, other = (
         CommBuffer(send, limiter, asyncio.Semaphore(2), 10_000, NO_RETRY_DELAY) for _ in "12"
     )
-    await put_all(one, {"a": [shard(0, i) for i in range(5)]})  # the limit, all staged
+    await put_all(one, {"a": [piece(0, i) for i in range(5)]})  # the limit, all staged
     assert limiter.used == 500 and send.batches == []
-    # the other run's put must wait for room: the staged shards go, their bytes come back
-    # (b's own shard may go at once too: the waiting thread presses every buffer until it
+    # the other run's put must wait for room: the staged pieces go, their bytes come back
+    # (b's own piece may go at once too: the waiting thread presses every buffer until it
     # has room, and may press again after it staged it)
-    await asyncio.wait_for(put_all(other, {"b": [shard(1, 0)]}), 5)
+    await asyncio.wait_for(put_all(other, {"b": [piece(1, 0)]}), 5)
     assert [len(b) for a, b in send.batches if a == "a"] == [5]
     await other.flush()
     await one.flush()
@@ -407,20 +407,20 @@ async def test_a_thread_waiting_for_room_hands_on_what_any_buffer_staged():
 
 
 @gen_test()
-async def test_a_failure_keeps_the_other_peers_shards_unheld_and_forgetting_sends_them():
+async def test_a_failure_keeps_the_other_peers_pieces_unheld_and_forgetting_sends_them():
     delivered: list[int] = []
     go, failed = asyncio.Event(), asyncio.Event()
 
     async def send(address: str, batch: list) -> None:
-        await go.wait()  # every shard is queued first
+        await go.wait()  # every piece is queued first
         if address == "gone":
             failed.set()
             raise ValueError("injected: gone for good")  # permanent: not retried
         await failed.wait()  # b's sends are still queued when the buffer fails
         delivered.extend(p.inputs[0] for p in batch)
 
-    comm, limiter = make(send, concurrency=1, message_bytes=100)  # every shard due at once
-    await put_all(comm, {"gone": [shard(0, 0)], "b": [shard(1, i) for i in range(4)]})
+    comm, limiter = make(send, concurrency=1, message_bytes=100)  # every piece due at once
+    await put_all(comm, {"gone": [piece(0, 0)], "b": [piece(1, i) for i in range(4)]})
     go.set()
     with pytest.raises(ValueError, match="gone for good"):
         await comm.flush()
@@ -435,14 +435,14 @@ async def test_a_failure_keeps_the_other_peers_shards_unheld_and_forgetting_send
 async def test_close_drops_what_is_staged_and_a_put_racing_it_holds_nothing():
     send = Recorder()
     comm, limiter = make(send, message_bytes=10_000)
-    await put_all(comm, {"a": [shard(0, i) for i in range(3)]})
+    await put_all(comm, {"a": [piece(0, i) for i in range(3)]})
     assert limiter.used == 300
     await comm.close()
     assert limiter.used == 0 and send.batches == []
     # a thread that held its bytes before the close and stages after it
     assert limiter.acquire_blocking(100)
     with comm._inbox_lock:
-        comm._inbox.append(("a", shard(0, 9), 100))
+        comm._inbox.append(("a", piece(0, 9), 100))
         comm._inbox_bytes += 100
     comm._hand_on()
     await asyncio.sleep(0.05)

@@ -1,4 +1,4 @@
-"""Packing shards into one payload and back: every dtype, views, empty and 0-d shards."""
+"""Packing pieces into one payload and back: every dtype, views, empty and 0-d pieces."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def sample(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     return raw.view(dtype).reshape(shape)
 
 
-def assert_same(shards, back):
-    assert len(shards) == len(back)
-    for (o, i, a), (o2, i2, b) in zip(shards, back):
+def assert_same(pieces, back):
+    assert len(pieces) == len(back)
+    for (o, i, a), (o2, i2, b) in zip(pieces, back):
         assert (o, i) == (o2, i2)
         assert a.shape == b.shape
         np.testing.assert_array_equal(a, b)
@@ -57,17 +57,17 @@ def assert_same(shards, back):
 def test_roundtrip_every_dtype(dtype):
     dtype = np.dtype(dtype)
     x = sample(dtype, (6, 7))
-    shards = [
+    pieces = [
         (0, 1, x[1:4, ::2]),  # a strided view
         (2, 3, x[:, :0]),  # no elements
         (4, 5, x[0, 0:1].reshape(())),  # 0-d
         (6, 7, np.ascontiguousarray(x[::-1])),
     ]
-    packed = pack_blocking(shards, dtype)
+    packed = pack_blocking(pieces, dtype)
     back = unpack_blocking(packed, dtype)
-    assert_same(shards, back)
+    assert_same(pieces, back)
     if dtype.kind != "O":
-        assert packed.nbytes == sum(s[2].size for s in shards) * dtype.itemsize
+        assert packed.nbytes == sum(s[2].size for s in pieces) * dtype.itemsize
         assert all(b.dtype == dtype for _, _, b in back)
 
 
@@ -91,19 +91,19 @@ def test_message_header_roundtrip():
 
 
 @pytest.mark.parametrize(
-    "shards",
+    "pieces",
     [
         [(0, 4, np.arange(6.0)), (1, 4, np.arange(6.0, 12))],  # regular: one input, one shape
         [(0, 4, np.arange(6.0)), (1, 5, np.arange(6.0))],  # two inputs
         [(0, 4, np.arange(6.0)), (1, 4, np.arange(3.0))],  # two shapes
     ],
 )
-def test_header_names_a_regular_batch_s_input_and_shape_once(shards):
+def test_header_names_a_regular_batch_s_input_and_shape_once(pieces):
     import msgpack
 
-    packed = pack_blocking(shards, np.dtype("f8"))
+    packed = pack_blocking(pieces, np.dtype("f8"))
     header = packed.header()
-    regular = len({i for _, i, _ in shards}) == 1 and len({a.shape for *_, a in shards}) == 1
+    regular = len({i for _, i, _ in pieces}) == 1 and len({a.shape for *_, a in pieces}) == 1
     assert ("input" in header) == regular and ("inputs" in header) != regular
     again = Packed.from_message(msgpack.unpackb(msgpack.packb(header)), packed.payload)
     assert (again.outputs, again.inputs, again.shapes) == (
@@ -111,7 +111,7 @@ def test_header_names_a_regular_batch_s_input_and_shape_once(shards):
         packed.inputs,
         packed.shapes,
     )
-    for (o, i, a), (o2, i2, a2) in zip(shards, unpack_blocking(again, np.dtype("f8"))):
+    for (o, i, a), (o2, i2, a2) in zip(pieces, unpack_blocking(again, np.dtype("f8"))):
         assert (o, i) == (o2, i2)
         np.testing.assert_array_equal(a, a2)
 
@@ -120,7 +120,7 @@ def test_truncated_payload_is_detected():
     x = np.arange(10.0)
     packed = pack_blocking([(0, 0, x)], x.dtype)
     broken = Packed(packed.outputs, packed.inputs, ((11,),), packed.payload)
-    with pytest.raises(RechunkRunError, match="Packed payload has 80 bytes, its shards 88"):
+    with pytest.raises(RechunkRunError, match="Packed payload has 80 bytes, its pieces 88"):
         unpack_blocking(broken, x.dtype)  # a corrupt batch fails the run, not the user's input
 
 
@@ -138,9 +138,9 @@ def same_dtype_arrays(draw):
 @given(arrays=same_dtype_arrays())
 def test_roundtrip_random_shapes(arrays):
     dtype = arrays[0].dtype
-    shards = [(k, 2 * k, a) for k, a in enumerate(arrays)]
-    back = unpack_blocking(pack_blocking(shards, dtype), dtype)
-    for (_, _, a), (_, _, b) in zip(shards, back):
+    pieces = [(k, 2 * k, a) for k, a in enumerate(arrays)]
+    back = unpack_blocking(pack_blocking(pieces, dtype), dtype)
+    for (_, _, a), (_, _, b) in zip(pieces, back):
         np.testing.assert_array_equal(a, b)
 
 
@@ -170,5 +170,5 @@ def test_a_batch_of_one_input_and_one_shape_unpacks_as_one_array_and_others_do_n
     assert unpack_blocks(two_inputs, np.dtype("f8")) is None
     assert unpack_blocks(two_shapes, np.dtype("f8")) is None
     short = Packed(packed.outputs, packed.inputs, packed.shapes, packed.payload[:-8])
-    with pytest.raises(RechunkRunError, match="has 184 bytes, its shards 192"):
+    with pytest.raises(RechunkRunError, match="has 184 bytes, its pieces 192"):
         unpack_blocks(short, np.dtype("f8"))
