@@ -362,6 +362,11 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
 
     address = getattr(args, "scheduler", None)
     if address:
+        from rechunk_p2p.integrations.local_client import connection_refused
+
+        refused = connection_refused(address)
+        if refused is not None:  # nothing listens there: fail now, not after the timeout
+            raise ClusterError(f"cannot reach the scheduler at {address!r}: {refused}")
         try:
             client = distributed.Client(address, timeout=args.connect_timeout)
         except (OSError, ValueError, TypeError) as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,9 @@ def client_for(given: distributed.Client | str | None = None) -> Iterator[distri
         yield given
         return
     if isinstance(given, str):
+        refused = connection_refused(given)
+        if refused is not None:  # nothing listens there: no point in retrying for 10 s
+            raise ClusterError(f"Cannot reach the scheduler at {given}: {refused}")
         try:
             connected = distributed.Client(given, timeout="10s")
         except (OSError, TimeoutError) as e:
@@ -64,6 +68,25 @@ def workers_ignore_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def connection_refused(address: str) -> str | None:
+    """Why a TCP connection to the scheduler ``address`` was refused at once, or ``None``
+    (it was accepted, the address is not plain TCP, or the answer is slow to come: then
+    distributed's client tries, and times out, as it does)."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+        if scheme != "tcp":
+            return None
+        host, port = parse_host_port(location)
+        with socket.create_connection((host, port), timeout=1.0):
+            return None
+    except ConnectionRefusedError as e:
+        return f"connection refused ({e.strerror or e})"
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _require_main_guard() -> None:

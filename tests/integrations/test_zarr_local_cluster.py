@@ -79,3 +79,18 @@ def test_client_given_by_address_and_unreachable_scheduler(tmp_path):
             tmp_path / "s.zarr", tmp_path / "d.zarr", (20, 2), client=cluster.scheduler_address
         )
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "d.zarr")[:], src[:])
+
+
+def test_a_refused_connection_is_told_at_once_and_a_listener_is_left_to_the_client():
+    import socket
+
+    from rechunk_p2p.integrations.local_client import connection_refused
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert connection_refused(f"tcp://127.0.0.1:{port}") is None
+    assert "connection refused" in connection_refused(f"tcp://127.0.0.1:{port}")
+    assert connection_refused("inproc://127.0.0.1/1/2") is None  # not TCP: the client decides
+    assert connection_refused("tcp://not a host:x") is None  # malformed: the client says so
