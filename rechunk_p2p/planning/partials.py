@@ -23,6 +23,10 @@ from rechunk_p2p.planning.axes import AxisPiece, Chunks, axis_pieces
 
 NDIndex = tuple[int, ...]
 
+#: :meth:`Partial.places` keeps the bounds of this many ranges of outputs (a worker's
+#: batches to each destination name a few ranges, one per destination).
+_KEPT_RANGES = 256
+
 
 @dataclass(frozen=True)
 class Partial:
@@ -157,29 +161,49 @@ class Partial:
         new = tuple(np.concatenate(([0], np.cumsum(c, dtype=np.int64))) for c in self.new_chunks)
         return old, new
 
-    def places(self, input_: int, outputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def places(self, input_: int, outputs: np.ndarray | range) -> tuple[np.ndarray, np.ndarray]:
         """Where input chunk ``input_``'s piece of each output chunk in ``outputs`` lies in
         that output: its start and its length per axis, one row per output, computed for all
         outputs at once (a length of 0 or less: the input has no piece of that output).
+        A ``range`` of outputs (a batch to one worker) keeps its outputs' bounds for the next
+        input.
 
         >>> p = Partial((0, 0), (0, 0), (0, 0), ((3, 3), (4,)), ((6,), (2, 2)))
         >>> starts, lengths = p.places(1, np.array([0, 1]))
         >>> starts.tolist(), lengths.tolist()
         ([[3, 0], [3, 0]], [[3, 2], [3, 2]])
         """
-        old, new = self._starts
+        old = self._starts[0]
         local_in = _unravel(input_, self.old_grid)
-        local_out = np.unravel_index(np.asarray(outputs, dtype=np.int64), self.new_grid)
         n = len(outputs)
         starts = np.empty((n, self.ndim), dtype=np.int64)
         lengths = np.empty((n, self.ndim), dtype=np.int64)
-        for axis, (i, o) in enumerate(zip(local_in, local_out)):
+        for axis, (i, (begin, end)) in enumerate(zip(local_in, self._output_bounds(outputs))):
             first, stop = old[axis][i], old[axis][i + 1]
-            begin, end = new[axis][o], new[axis][o + 1]
             lo = np.maximum(first, begin)
             starts[:, axis] = lo - begin
             lengths[:, axis] = np.minimum(stop, end) - lo
         return starts, lengths
+
+    def _output_bounds(self, outputs: np.ndarray | range) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per axis, where each of ``outputs`` starts and ends (kept for a ``range``)."""
+        cache = self._bounds_of_ranges
+        key = (outputs.start, outputs.stop, outputs.step) if isinstance(outputs, range) else None
+        bounds = cache.get(key) if key is not None else None
+        if bounds is None:
+            new = self._starts[1]
+            flats = np.asarray(outputs, dtype=np.int64)
+            local = np.unravel_index(flats, self.new_grid)
+            bounds = [(new[a][o], new[a][o + 1]) for a, o in enumerate(local)]
+            if key is not None:
+                if len(cache) >= _KEPT_RANGES:
+                    cache.clear()
+                cache[key] = bounds
+        return bounds
+
+    @cached_property
+    def _bounds_of_ranges(self) -> dict[tuple[int, int, int], list]:
+        return {}
 
     def input_shape(self, flat: int) -> tuple[int, ...]:
         """Shape of the input chunk with flat index ``flat``."""

@@ -114,7 +114,8 @@ class AssemblingMemoryStore:
     ) -> int:
         """Copy pieces ``blocks[i]`` of outputs ``outputs[i]``, all from input ``input_`` and
         of one shape, into their outputs, dropping pairs stored before; return the bytes
-        accepted. The whole batch is checked before anything is stored.
+        accepted. The whole batch is checked before anything is stored. ``outputs`` may be
+        a ``range`` (consecutive outputs, the usual batch: its bookkeeping is by slices).
 
         Raises
         ------
@@ -126,7 +127,11 @@ class AssemblingMemoryStore:
         """
         input_ = operator.index(input_)
         blocks = check_array(blocks, self.dtype, self.kind, self.name, f"input {input_}'s batch")
-        outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
+        span = outputs if isinstance(outputs, range) and outputs.step == 1 else None
+        if span is not None:
+            outs = np.arange(span.start, span.stop, dtype=np.int64)
+        else:
+            outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
         if blocks.ndim < 1 or len(blocks) != len(outs):
             raise RechunkRunError(
                 f"Store {self.name!r} got {len(outs)} outputs and blocks of shape "
@@ -134,16 +139,18 @@ class AssemblingMemoryStore:
             )
         if not len(outs):
             return 0
-        starts = self._checked_places(outs, input_, blocks.shape[1:])
-        return self._write_checked_blocking(input_, outs, starts, blocks)
+        starts = self._checked_places(outs, input_, blocks.shape[1:], span)
+        return self._write_checked_blocking(input_, outs, starts, blocks, span)
 
-    def _checked_places(self, outs: np.ndarray, input_: int, shape: tuple[int, ...]) -> np.ndarray:
-        """Where input ``input_``'s pieces of ``shape`` start in outputs ``outs``, after
-        checking that each is that input's piece of its output."""
+    def _checked_places(
+        self, outs: np.ndarray, input_: int, shape: tuple[int, ...], span: range | None = None
+    ) -> np.ndarray:
+        """Where input ``input_``'s pieces of ``shape`` start in outputs ``outs`` (``span``:
+        the same, consecutive), after checking that each is that input's piece of its output."""
         if len(outs) <= _FEW_PIECES:  # (a few numpy passes cost more than a loop then)
             return self._few_places(outs.tolist(), input_, shape)
-        self._check_outputs(outs, input_)
-        starts, lengths = self._partial.places(input_, outs)
+        self._check_outputs(outs, input_, span)
+        starts, lengths = self._partial.places(input_, outs if span is None else span)
         self._check_places(outs, input_, lengths, shape)
         return starts
 
@@ -206,48 +213,65 @@ class AssemblingMemoryStore:
         return accepted
 
     def _write_checked_blocking(
-        self, input_: int, outs: np.ndarray, starts: np.ndarray, blocks: np.ndarray
+        self,
+        input_: int,
+        outs: np.ndarray,
+        starts: np.ndarray,
+        blocks: np.ndarray,
+        span: range | None = None,
     ) -> int:
-        """Admit, allocate, copy and account one checked batch of one input and shape."""
+        """Admit, allocate, copy and account one checked batch of one input and shape
+        (``span``: its outputs, when consecutive)."""
         each = blocks[0].nbytes
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write pieces")
-            fresh = self._ledger.admit_batch(input_, outs, checked=True)
+            ascending = True if span is not None else None
+            fresh = self._ledger.admit_batch(input_, outs, checked=True, ascending=ascending)
             if fresh is not None:
                 outs, starts, blocks = outs[fresh], starts[fresh], blocks[fresh]
+                span = None
                 if not len(outs):
                     return 0
-            self._allocate_locked(outs, each)
-            for output in outs[self._taken[outs]].tolist():  # (late pieces: rare)
-                self._late.setdefault(output, set()).add(input_)
-            slabs, slots = self._slab_of[outs], self._slot_of[outs]
-            one = int(slabs[0])
-            kinds = [one] if (slabs == one).all() else np.unique(slabs).tolist()
+            # a run of consecutive outputs (the usual batch) is indexed by a slice: views,
+            # where an index array costs a gather or scatter per bookkeeping array
+            at = _span(outs) if span is None else slice(span.start, span.stop)
+            self._allocate_locked(outs, at, each)
+            taken = self._taken[at]
+            if taken.any():  # (late pieces: rare)
+                for output in outs[taken].tolist():
+                    self._late.setdefault(output, set()).add(input_)
+            slabs, slots = self._slab_of[at], self._slot_of[at]
+            firsts = np.flatnonzero(slabs[1:] != slabs[:-1]) + 1
+            kinds = set(slabs[firsts].tolist())
+            kinds.add(int(slabs[0]))
             arrays = {sid: self._slabs[sid] for sid in kinds}
-            self._writing[outs] += 1
+            self._writing[at] += 1
         done = False
         try:
-            _copy_blocking(arrays, slabs, slots, starts, blocks)
+            runs = firsts if isinstance(at, slice) else None
+            _copy_blocking(arrays, slabs, slots, starts, blocks, runs)
             done = True
         finally:
             with self._lock:
-                self._writing[outs] -= 1
+                self._writing[at] -= 1
                 if done:
-                    self._placed[outs] += 1
-                    self._piece_bytes[outs] += each
+                    self._placed[at] += 1
+                    self._piece_bytes[at] += each
                     self._ledger.stored(len(outs), each * len(outs))
                 else:
                     self._ledger.forget_batch(input_, outs)
                 self._lock.notify_all()
         return each * len(outs)
 
-    def _allocate_locked(self, outs: np.ndarray, piece_bytes: int) -> None:
-        """Allocate the outputs of ``outs`` that have no array yet: one slab per shape for
-        small pieces (see :data:`SLAB_PIECE_BYTES`), else one array each."""
-        new = outs[self._slab_of[outs] < 0]
-        if not len(new):
+    def _allocate_locked(self, outs: np.ndarray, at: slice | np.ndarray, piece_bytes: int) -> None:
+        """Allocate the outputs of ``outs`` (``at`` indexes them) that have no array yet: one
+        slab per shape for small pieces (see :data:`SLAB_PIECE_BYTES`), else one array each.
+        A slab's slots follow its outputs' order (:func:`_copy_blocking` relies on it)."""
+        missing = self._slab_of[at] < 0
+        if not missing.any():
             return
+        new = np.unique(outs[missing])
         shapes = self._partial.output_shapes(new)
         if (shapes == shapes[0]).all():
             groups = [(new, tuple(shapes[0].tolist()))]
@@ -277,9 +301,10 @@ class AssemblingMemoryStore:
 
     # -- checks ------------------------------------------------------------------------
 
-    def _check_outputs(self, outs: np.ndarray, input_: int) -> None:
+    def _check_outputs(self, outs: np.ndarray, input_: int, span: range | None = None) -> None:
         outside = not 0 <= input_ < self._partial.n_inputs
-        if outs.min() >= 0 and outs.max() < self._partial.n_outputs and not outside:
+        lo, hi = (span.start, span.stop - 1) if span is not None else (outs.min(), outs.max())
+        if lo >= 0 and hi < self._partial.n_outputs and not outside:
             return
         bad = np.flatnonzero((outs < 0) | (outs >= self._partial.n_outputs))
         if len(bad) or outside:
@@ -372,16 +397,27 @@ class AssemblingMemoryStore:
             return self._ledger.statistics(self.kind, outputs=begun)
 
 
+def _span(outs: np.ndarray) -> slice | np.ndarray:
+    """``outs`` as a slice where it is a run of consecutive ascending indices, else itself."""
+    first, n = int(outs[0]), len(outs)
+    if int(outs[-1]) - first == n - 1 and (n < 3 or (np.diff(outs) == 1).all()):
+        return slice(first, first + n)
+    return outs
+
+
 def _copy_blocking(
     arrays: dict[int, np.ndarray],
     slabs: np.ndarray,
     slots: np.ndarray,
     starts: np.ndarray,
     blocks: np.ndarray,
+    runs: np.ndarray | None = None,
 ) -> None:
     """Copy piece ``blocks[k]`` to ``arrays[slabs[k]][slots[k]]`` at ``starts[k]``: one
     strided copy for the pieces of one slab that have one place in their outputs, one copy
-    per piece in an output of its own."""
+    per piece in an output of its own. ``runs``: the pieces' outputs ascend, and each of
+    these positions starts a run of pieces in one slab; their slots in a slab then ascend
+    too (see :meth:`AssemblingMemoryStore._allocate_locked`)."""
     shape = blocks.shape[1:]
     if len(blocks) <= _FEW_PIECES:
         _copy_few_blocking(arrays, slabs.tolist(), slots.tolist(), starts.tolist(), blocks)
@@ -392,9 +428,17 @@ def _copy_blocking(
             copy_into_blocking(arrays[sid][(0, *region)], blocks[k])
         return
     groups: list[tuple[np.ndarray | slice, np.ndarray]]
-    if (starts == starts[0]).all() and (len(slabs) < 2 or (slabs[1:] >= slabs[:-1]).all()):
-        # one place, slabs in order (the usual batch): a run of rows per slab
-        bounds = [0, *(np.flatnonzero(np.diff(slabs)) + 1).tolist(), len(slabs)]
+    ascending = runs is not None
+    one_place = (starts == starts[0]).all()
+    if one_place and runs is None:
+        change = slabs[1:] != slabs[:-1]
+        if change.any() and not (slabs[1:] >= slabs[:-1]).all():
+            one_place = False
+        else:
+            runs = np.flatnonzero(change) + 1
+    if one_place:
+        # one place (the usual batch): a run of rows per slab
+        bounds = [0, *runs.tolist(), len(slabs)]
         groups = [
             (slice(a, b), np.concatenate(([slabs[a]], starts[0])))
             for a, b in itertools.pairwise(bounds)
@@ -415,7 +459,9 @@ def _copy_blocking(
                 copy_into_blocking(slab[(0, *region)], source[k])
             continue
         lo, count = int(chosen[0]), len(chosen)
-        if int(chosen[-1]) - lo == count - 1 and (count < 2 or (np.diff(chosen) == 1).all()):
+        if int(chosen[-1]) - lo == count - 1 and (
+            ascending or count < 2 or (np.diff(chosen) == 1).all()
+        ):
             slab[(slice(lo, lo + count), *region)] = source
         else:
             slab[(chosen, *region)] = source
@@ -439,7 +485,11 @@ def _copy_few_blocking(
         region = tuple(slice(p, p + n) for p, n in zip(place, shape))
         first, last = rows[0], rows[-1]
         lo = slots[first]
-        if len(rows) > 1 and last - first == len(rows) - 1 and slots[last] - lo == last - first:
+        if (
+            len(rows) > 1
+            and last - first == len(rows) - 1
+            and all(slots[k] == lo + k - first for k in rows)
+        ):
             slab[(slice(lo, lo + len(rows)), *region)] = blocks[first : last + 1]
             continue
         for k in rows:

@@ -61,7 +61,7 @@ from rechunk_p2p.store.files import (
     safe_name,
 )
 from rechunk_p2p.store.ledger import PieceLedger, pair_keys
-from rechunk_p2p.transport.wire import Packed, packed_sizes, unpack_blocking
+from rechunk_p2p.transport.wire import Packed, output_array, packed_sizes, unpack_blocking
 
 DATA_FILE = "pieces.bin"
 
@@ -239,7 +239,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
     def _append_block_blocking(self, packed: Packed, size: int) -> int:
         """Gather a regular batch (pieces of ``size`` bytes) whole, as one
         :class:`~rechunk_p2p.store.disk_blocks.Block`: no index row or view per piece."""
-        outputs = np.asarray(packed.outputs, dtype=np.int64)
+        outputs = output_array(packed)
         input_ = packed.inputs[0]
         with self._lock:
             if self._closed:

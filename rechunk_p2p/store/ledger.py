@@ -163,17 +163,22 @@ class PieceLedger:
         self.max_bytes_in_memory = max(self.max_bytes_in_memory, nbytes)
 
     def admit_batch(
-        self, input_: int, outputs: np.ndarray, checked: bool = False
+        self,
+        input_: int,
+        outputs: np.ndarray,
+        checked: bool = False,
+        ascending: bool | None = None,
     ) -> np.ndarray | None:
         """Take the pairs ``(outputs[k], input_)``: ``None`` when every one is new (the usual
         case), else whether each one is (a pair held before, or repeated earlier in the
         batch, is not, and counts a duplicate). ``checked``: the caller knows the indices
-        are in range."""
+        are in range; ``ascending``: whether they strictly ascend, if the caller knows."""
         outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
         if not checked:
             _check_range(outs, input_)
         held = self._held.get(input_)
-        ascending = _increasing(outs)
+        if ascending is None:
+            ascending = _increasing(outs)
         if held is None and ascending:
             self._held[input_] = _runs(outs)
             return None

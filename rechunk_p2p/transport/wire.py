@@ -9,6 +9,7 @@ loop the same few operations whatever the number of pieces.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,9 +26,11 @@ class Packed:
 
     ``outputs[i]``, ``inputs[i]`` and ``shapes[i]`` describe piece ``i``; its elements lie
     in ``payload`` (raw bytes, one piece after another; pickled arrays for object dtype).
+    ``outputs`` is a tuple, or a ``range`` where they are consecutive (a regular cut's batch
+    to one worker usually is: it then travels as two numbers).
     """
 
-    outputs: tuple[int, ...]
+    outputs: Sequence[int]
     inputs: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     payload: np.ndarray
@@ -48,18 +51,26 @@ class Packed:
         """The small part of the message (msgpack-friendly lists). A :attr:`regular` batch
         names its input and shape once, instead of once per piece (a batch of 4 KiB pieces
         holds 512 of them)."""
+        outputs = self.outputs
+        named: dict = (
+            {"first": outputs.start, "count": len(outputs)}
+            if isinstance(outputs, range) and outputs.step == 1
+            else {"outputs": list(outputs)}
+        )
         if self.regular:
-            shape = list(self.shapes[0])
-            return {"outputs": list(self.outputs), "input": self.inputs[0], "shape": shape}
+            return {**named, "input": self.inputs[0], "shape": list(self.shapes[0])}
         return {
-            "outputs": list(self.outputs),
+            **named,
             "inputs": list(self.inputs),
             "shapes": [list(s) for s in self.shapes],
         }
 
     @classmethod
     def from_message(cls, header: dict, payload: np.ndarray) -> Packed:
-        outputs = tuple(header["outputs"])
+        if "first" in header:
+            outputs: Sequence[int] = range(header["first"], header["first"] + header["count"])
+        else:
+            outputs = tuple(header["outputs"])
         if "input" in header:
             n = len(outputs)
             return cls(outputs, (header["input"],) * n, (tuple(header["shape"]),) * n, payload)
@@ -101,7 +112,20 @@ def pack_blocks(outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.
     shape = tuple(blocks.shape[1:])
     n = len(outputs)
     payload = np.ascontiguousarray(blocks).reshape(-1).view(np.uint8)
-    return Packed(tuple(outputs.tolist()), (input_,) * n, (shape,) * n, payload)
+    first = int(outputs[0]) if n else 0
+    if n > 2 and int(outputs[-1]) - first == n - 1 and (np.diff(outputs) == 1).all():
+        named: Sequence[int] = range(first, first + n)
+    else:
+        named = tuple(outputs.tolist())
+    return Packed(named, (input_,) * n, (shape,) * n, payload)
+
+
+def output_array(packed: Packed) -> np.ndarray:
+    """``packed.outputs`` as an int64 array."""
+    outputs = packed.outputs
+    if isinstance(outputs, range):
+        return np.arange(outputs.start, outputs.stop, outputs.step, dtype=np.int64)
+    return np.array(outputs, dtype=np.int64)
 
 
 def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | None:

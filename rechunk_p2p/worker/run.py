@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
 import logging
 import threading
 import time
@@ -30,9 +29,7 @@ from rechunk_p2p.store.base import PieceStore, empty_output
 from rechunk_p2p.store.split import SplitStore
 from rechunk_p2p.transport.comm import CommBuffer, CommStatistics
 from rechunk_p2p.transport.dataplane import DataPlane
-from rechunk_p2p.transport.wire import (
-    Packed,
-)
+from rechunk_p2p.transport.wire import Packed, output_array
 from rechunk_p2p.worker.reading import read_output_blocking
 
 logger = logging.getLogger(__name__)
@@ -400,8 +397,10 @@ class WorkerRun:
         """Refuse pieces of outputs this worker does not assemble (a sender that addressed the
         wrong data plane): stored here they would be lost, and their owner would miss them."""
         run_spec = self.run_spec
-        outputs = np.fromiter(
-            itertools.chain.from_iterable(p.outputs for p in batch), dtype=np.int64
+        outputs = (
+            np.concatenate([output_array(p) for p in batch])
+            if batch
+            else np.zeros(0, dtype=np.int64)
         )
         positions = run_spec.owner_positions(outputs)
         wrong = np.flatnonzero(positions != self._position_in(run_spec))

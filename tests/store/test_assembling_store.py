@@ -244,6 +244,28 @@ def test_blocks_of_one_input_are_placed_as_single_pieces_are(shape, old, new, dt
     store.close_blocking()
 
 
+@pytest.mark.parametrize("outputs", [6, 64])  # placed by a loop; by numpy
+def test_batches_name_their_outputs_in_any_order_or_as_a_range(outputs) -> None:
+    # input 0's batch allocates the slab in output order; the other inputs' batches list the
+    # same outputs permuted (the first and last in place, the others swapped in pairs), as
+    # a range, or reversed: each piece must land in its own output, whatever its slots' order
+    partial = _partial((3, 4 * outputs), (1, 4 * outputs), (3, 4))
+    data = np.arange(3 * 4 * outputs, dtype="f8").reshape(3, 4 * outputs)
+    store = _store(partial)
+    order = np.arange(outputs)
+    swapped = np.concatenate(([0], order[1:-1].reshape(-1, 2)[:, ::-1].reshape(-1), [outputs - 1]))
+    for input_, outs in ((0, order), (1, swapped), (2, order[::-1])):
+        blocks = data[input_].reshape(outputs, 1, 4)[outs]
+        named = range(outputs) if input_ == 1 and outputs > 16 else outs
+        if input_ == 1 and outputs > 16:
+            blocks = data[input_].reshape(outputs, 1, 4)
+        assert store.write_blocks_blocking(named, input_, blocks) == blocks.nbytes
+    for flat in range(partial.n_outputs):
+        out, missing = store.take_output_blocking(flat)
+        assert missing == []
+        np.testing.assert_array_equal(out, _expected(partial, data, flat))
+
+
 def test_small_pieces_fill_outputs_of_one_slab_large_ones_outputs_of_their_own() -> None:
     thin = _partial((8, 64), (1, 64), (8, 4))  # 32-byte pieces: one slab for 16 outputs
     thick = _partial((2, 32768), (1, 32768), (2, 16384))  # 128 KiB pieces
