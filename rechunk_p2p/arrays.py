@@ -24,7 +24,13 @@ from rechunk_p2p.chunk_sizes import check_chunk_sizes
 from rechunk_p2p.cluster import current_n_workers, ensure_registered
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.graph import build_rechunk
-from rechunk_p2p.holders import HeldChunks, find_held, held_groups, partial_transfers
+from rechunk_p2p.holders import (
+    HeldChunks,
+    find_held,
+    group_holders,
+    held_groups,
+    partial_transfers,
+)
 from rechunk_p2p.planning import RechunkPlan
 from rechunk_p2p.planning.axes import Chunks, element_bytes
 from rechunk_p2p.planning.groups import transfer_groups
@@ -170,14 +176,16 @@ def _make_plan(
         return plan
     chunk = plan.largest_cut_bytes
     where = held if groups is None else held.joined(groups)
-    transfers = [
-        (len(partial_transfers(p, range(p.n_inputs), where, limit, chunk)), p.n_inputs)
-        for p in plan.partials
-        if p.needs_shuffle
-    ]
-    # a transfer that cuts several chunks, or joined ones, has a held task too
-    marked = sum(n for n, inputs in transfers if groups is not None or n < inputs)
-    return replace(plan, held_transfers=sum(n for n, _ in transfers), held_tasks=marked)
+    transfers, marked = 0, 0
+    for p in plan.partials:
+        if not p.needs_shuffle:
+            continue
+        shared = partial_transfers(p, range(p.n_inputs), where, limit, chunk)
+        transfers += len(shared)
+        # transfers that cut several chunks, or joined ones, have a held task per worker
+        if groups is not None or len(shared) < p.n_inputs:
+            marked += len(set(group_holders(p, shared, where)))
+    return replace(plan, held_transfers=transfers, held_tasks=marked)
 
 
 def normalize(

@@ -36,7 +36,7 @@ from dask.highlevelgraph import HighLevelGraph, Layer
 
 from rechunk_p2p import tasks
 from rechunk_p2p.errors import RechunkInputError
-from rechunk_p2p.holders import HeldChunks, partial_transfers
+from rechunk_p2p.holders import HeldChunks, group_holders, partial_transfers
 from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.planning.groups import group_members
 from rechunk_p2p.sources import InputSources
@@ -311,15 +311,27 @@ class RechunkLayer(Layer):
         held_name = HELD_PREFIX + name.rpartition(TRANSFER_PREFIX)[2]
         dsk: dict[Any, Any] = {}
         transfers = []
-        for g, flats in enumerate(spec.transfer_groups):
-            key, held = (name, g), (held_name, g)
+        # every chunk a group reads gets a second dependent, one held task per worker that
+        # reads all of that worker's groups' chunks and runs before them (see tasks.held);
+        # a group of chunks whose place is unknown has one of its own
+        assert self._groups_held is not None
+        holders = group_holders(spec.partial, spec.transfer_groups, self._groups_held)
+        reads: dict[Any, set] = {}
+        for g, (flats, holder) in enumerate(zip(spec.transfer_groups, holders)):
+            key = (name, g)
             refs = [self._held_chunk(spec.partial.input_index(f)) for f in flats]
-            # every chunk the group reads gets a second dependent (see tasks.held)
-            read = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs).dependencies
-            dsk[held] = Task(held, tasks.held, *(TaskRef(k) for k in sorted(read, key=str)))
-            dsk[key] = Task(
-                key, tasks.transfer_group, spec.shuffle_id, flats, *refs, after=TaskRef(held)
-            )
+            task = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs)
+            reads.setdefault(holder, set()).update(task.dependencies)
+            dsk[key] = (refs, flats)
+        held_keys = {}
+        for k, (holder, read) in enumerate(reads.items()):
+            held = held_keys[holder] = (held_name, k)
+            dsk[held] = Task(held, tasks.held, *(TaskRef(d) for d in sorted(read, key=str)))
+        for g, holder in enumerate(holders):
+            key = (name, g)
+            refs, flats = dsk[key]
+            after = TaskRef(held_keys[holder])
+            dsk[key] = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs, after=after)
             transfers.append(TaskRef(key))
         return self._barrier_and_outputs(dsk, spec, transfers)
 

@@ -166,6 +166,17 @@ def partial_transfers(
     return held_transfers(inputs, where, per_task, held.threads)
 
 
+def group_holders(partial: Partial, groups: Sequence[Sequence[int]], held: HeldChunks) -> list[Any]:
+    """Where each transfer group of ``partial`` (flat inputs, as :func:`partial_transfers`
+    makes them) sits: its first chunk's worker, or ``("alone", g)`` for group ``g`` whose
+    place is unknown. The graph gives each of these one held task (:func:`rechunk_p2p.tasks.
+    held`)."""
+    return [
+        held.where.get(partial.input_index(flats[0]), ("alone", g))
+        for g, flats in enumerate(groups)
+    ]
+
+
 def held_groups(
     old: Chunks,
     new: Chunks,

@@ -65,12 +65,15 @@ def transfer(
 
 
 def held(*chunks: Any) -> None:
-    """Nothing: the task that gives each held chunk of a transfer group a second dependent.
+    """Nothing: the task that gives each held chunk of the transfer groups of one worker a
+    second dependent.
 
     dask's ordering walks, for every root of a graph, every output it reaches: through a
     barrier that is held chunks x output chunks steps (seconds for a million pairs). A graph
-    input with more than one dependent is no root there, so with this task the groups' tasks
-    are the roots instead, a few hundred steps per output.
+    input with more than one dependent is no root there, so with this task it is the root
+    instead, one per worker. The worker's transfer tasks run after it: were they roots, each
+    would be walked so. One such task per worker rather than per group spares a task and a
+    round trip to the scheduler before each transfer.
     """
 
 
@@ -79,8 +82,8 @@ def transfer_group(
 ) -> RunId | tuple[LocalInput, ...]:
     """Cut held input chunks ``flats`` (``chunks``, in that order), which sit on one worker,
     as :func:`transfer` cuts one; the oldest run id any was cut for (without distributed
-    workers: the chunks, as :class:`LocalInput` s). ``after`` is the result of the group's
-    :func:`held` task."""
+    workers: the chunks, as :class:`LocalInput` s). ``after`` is the result of its
+    worker's :func:`held` task."""
     worker = _worker()
     if worker is None:
         return tuple(LocalInput(f, np.asarray(c)) for f, c in zip(flats, chunks))

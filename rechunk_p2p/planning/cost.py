@@ -10,7 +10,7 @@ A P2P rechunk pays three kinds of cost, whatever engine runs it:
   cutting it, its header, placing it; and the scheduler ordering the graph before anything
   runs, which for a sub-shuffle takes time in proportion to its transfer tasks times its
   output chunks (``dask.order`` walks every output for every root of the graph, and a
-  sub-shuffle's roots are its transfers, or the held tasks beside them);
+  sub-shuffle's roots are its transfers, or a held task per worker before them);
 - **per byte**: copies and the loopback network.
 
 The unit costs are this project's measurements on its 2-core benchmark machine (see

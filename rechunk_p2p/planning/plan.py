@@ -145,7 +145,8 @@ class RechunkPlan:
     inputs (``input_chunks``, which partials and pieces count) are then those groups.
     ``held_transfers``: the transfer tasks of the shuffled partials where chunks held on one
     worker share them (:mod:`rechunk_p2p.holders`); ``None``: one per input. ``held_tasks``:
-    the tasks that mark the chunks of those shared transfers (``rechunk_p2p.tasks.held``).
+    the tasks that mark the chunks of those shared transfers, one per worker
+    (``rechunk_p2p.tasks.held``).
     """
 
     shape: tuple[int, ...]
@@ -234,8 +235,8 @@ class RechunkPlan:
     def n_tasks(self) -> int:
         """Tasks the graph holds: per shuffled partial one transfer per input, one barrier and
         one unpack per output; one task per output chunk elsewhere, plus one per group of
-        input chunks with elements those read when chunks are joined (held chunks: per
-        shared transfer, one held task too)."""
+        input chunks with elements those read when chunks are joined (held chunks: one held
+        task per worker too)."""
         shuffled = [p for p in self.partials if p.needs_shuffle]
         joined = 0
         if self.groups is not None:
@@ -338,11 +339,12 @@ class RechunkPlan:
 
     @property
     def n_ordered(self) -> int:
-        """Pairs of a transfer task and an output chunk, summed over the shuffled partials
-        (what the scheduler's ordering of the graph takes time in; where held chunks share
-        transfers, their count bounds each partial's)."""
+        """Pairs of a root of the graph (a transfer task; where held chunks share transfers,
+        a held task per worker) and an output chunk, summed over the shuffled partials (what
+        the scheduler's ordering of the graph takes time in)."""
+        roots = self.held_tasks or self.held_transfers
         return sum(
-            min(p.n_inputs, self.held_transfers or p.n_inputs) * p.n_outputs
+            min(p.n_inputs, roots or p.n_inputs) * p.n_outputs
             for p in self.partials
             if p.needs_shuffle
         )
