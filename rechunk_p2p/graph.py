@@ -39,7 +39,7 @@ from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.holders import HeldChunks, group_holders, partial_transfers
 from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.planning.groups import group_members
-from rechunk_p2p.sources import InputSources
+from rechunk_p2p.sources import InputSources, read_together
 from rechunk_p2p.spec import (
     HELD_PREFIX,
     JOINED_PREFIX,
@@ -401,6 +401,9 @@ class RechunkLayer(Layer):
         if len(made) == 1 and key is None:
             return made[0]
         grid = tuple(len(m) for m in members)
+        together = read_together(made, grid) if self.sources is not None else None
+        if together is not None:  # one read of the whole group (an array object's slices)
+            made, grid = [together], (1,) * len(grid)
         producer = any(isinstance(t, GraphNode) and t.data_producer for t in made)
         return Task(key, func, grid, *made, _data_producer=producer)
 

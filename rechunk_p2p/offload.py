@@ -9,6 +9,9 @@ Where it runs: helpers called on an event loop (``to_thread``, ``on_loop``) or f
   and block until it is done.
 - ``on_loop(loop, coro_fn, ...)``: from one event loop, run a coroutine on another loop (for
   example the worker's loop and the data plane's loop) and await it without blocking.
+- ``OffloadPool.submit(fn, ...)``: from a thread, run ``fn`` on the pool (a worker's store
+  I/O pool runs its disk stores' background writes and parallel reads this way: a store
+  starts no thread of its own).
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class OffloadPool:
         """From an event loop: run ``fn`` on the pool and await its result."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+
+    def submit(
+        self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[T]:
+        """From a thread: run ``fn`` on the pool; its future."""
+        return self._executor.submit(fn, *args, **kwargs)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait``, let queued work finish first."""

@@ -13,12 +13,15 @@ made that way and hands over the tasks that make them.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import dask.array as da
-from dask._task_spec import Task
+from dask._task_spec import DataNode, Task, TaskRef
+from dask.array.core import getter
 from dask.blockwise import Blockwise, optimize_blockwise
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
@@ -95,3 +98,53 @@ def _made_by_tasks(layer: Layer, keys: list, shared: Mapping[str, Layer]) -> boo
         if not node.dependencies <= allowed:
             return False
     return True
+
+
+def read_together(made: list[Any], grid: tuple[int, ...]) -> Task | None:
+    """One task that reads the box of chunks ``made`` (their tasks, in C order over
+    ``grid``) in one call, when each is ``dask.array.core.getter`` of one array object (what
+    ``da.from_array`` and ``da.from_zarr`` make) at slices that tile that box; else ``None``.
+
+    A zarr array read once for eight chunks decodes them in one request (its codec pipeline
+    reads the chunks of a request together) and hands over one block, where eight reads
+    each pay a request and make a block to join.
+    """
+    first = made[0]
+    if not isinstance(first, Task) or first.func is not getter or len(first.args) != 2:
+        return None
+    source = first.args[0]
+    if not isinstance(source, TaskRef):
+        return None
+    boxes = []
+    for task in made:
+        if (
+            not isinstance(task, Task)
+            or task.func is not getter
+            or len(task.args) != 2
+            or task.kwargs != first.kwargs
+            or not isinstance(task.args[0], TaskRef)
+            or task.args[0].key != source.key
+            or not isinstance(task.args[1], DataNode)
+        ):
+            return None
+        box = task.args[1].value
+        if not isinstance(box, tuple) or not all(
+            isinstance(b, slice) and b.step in (None, 1) and b.start is not None for b in box
+        ):
+            return None
+        boxes.append(box)
+    if len(boxes[0]) != len(grid):
+        return None
+    # each axis's slices, from the chunks at the start of the others; every chunk's box must
+    # be the product of them, and each axis's slices must follow one another
+    alongs = [
+        [boxes[i * math.prod(grid[axis + 1 :])][axis] for i in range(n)]
+        for axis, n in enumerate(grid)
+    ]
+    if any(a.stop != b.start for along in alongs for a, b in itertools.pairwise(along)):
+        return None
+    for box, index in zip(boxes, itertools.product(*(range(n) for n in grid))):
+        if any(box[a] != alongs[a][i] for a, i in enumerate(index)):
+            return None
+    union = tuple(slice(along[0].start, along[-1].stop) for along in alongs)
+    return Task(None, getter, source, DataNode(None, union), **first.kwargs)

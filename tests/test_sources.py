@@ -105,3 +105,49 @@ def test_a_joined_rechunk_reads_no_chunk_of_its_input():
     transfers = [k for k in graph if isinstance(k, tuple) and "rechunk_p2p-transfer" in k[0]]
     assert len(transfers) == plan.n_transfers < plan.n_input_chunks
     np.testing.assert_array_equal(y.compute(scheduler="sync"), np.full((256, 16), 3.0))
+
+
+def _getters(node) -> int:
+    """How many ``getter`` calls a task holds, nested ones included."""
+    from dask._task_spec import Task
+
+    if not isinstance(node, Task):
+        return 0
+    own = node.func is da.core.getter
+    return own + sum(_getters(a) for a in (*node.args, *node.kwargs.values()))
+
+
+def test_a_joined_group_of_array_slices_is_read_in_one_call(tmp_path):
+    z = zarr.open_array(tmp_path / "s.zarr", mode="w", shape=(64, 8, 6), chunks=(1, 4, 6))
+    z[:] = np.arange(z.size, dtype="f8").reshape(z.shape)
+    x = da.from_zarr(z)
+    y = rechunk_p2p.rechunk(x, (64, 2, 3))
+    plan = rechunk_p2p.plan(x, (64, 2, 3), n_workers=2)
+    assert plan.groups is not None and len(plan.groups[0]) < 64  # time steps joined
+    graph = dict(y.__dask_graph__())
+    transfers = [v for k, v in graph.items() if "rechunk_p2p-transfer" in str(k)]
+    # one read of the store per transfer task, for all the chunks it joins
+    assert sum(_getters(t) for t in transfers) == len(transfers) == plan.n_transfers
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), z[:])
+
+
+def test_slices_that_do_not_tile_a_box_are_read_one_by_one():
+    from dask._task_spec import DataNode, Task, TaskRef
+
+    from rechunk_p2p.sources import read_together
+
+    def get(*box, **kwargs):
+        return Task(None, da.core.getter, TaskRef("a"), DataNode(None, box), **kwargs)
+
+    rows = [get(slice(0, 2), slice(0, 5)), get(slice(2, 4), slice(0, 5))]
+    one = read_together(rows, (2, 1))
+    assert one is not None and one.args[1].value == (slice(0, 4), slice(0, 5))
+    gap = [get(slice(0, 2), slice(0, 5)), get(slice(3, 4), slice(0, 5))]
+    other = [
+        rows[0],
+        Task(None, da.core.getter, TaskRef("b"), DataNode(None, rows[1].args[1].value)),
+    ]
+    locked = [rows[0], get(slice(2, 4), slice(0, 5), lock=True)]
+    swapped = [rows[1], rows[0]]
+    for made in (gap, other, locked, swapped):
+        assert read_together(made, (2, 1)) is None

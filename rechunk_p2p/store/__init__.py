@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from rechunk_p2p.errors import RechunkInputError
+from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.planning import Partial
 from rechunk_p2p.store.assembling import AssemblingMemoryStore
 from rechunk_p2p.store.base import STORE_KINDS, Piece, PieceStore, StoreKind, StoreStatistics
@@ -41,6 +42,7 @@ def make_store(
     direct_io: bool | None = None,
     partial: Partial | None = None,
     in_memory: np.ndarray | None = None,
+    io_pool: OffloadPool | None = None,
 ) -> PieceStore | AssemblingMemoryStore | SplitStore:
     """Create an empty piece store.
 
@@ -74,6 +76,8 @@ def make_store(
         Required for ``"memory+disk"``.
     in_memory
         For ``"memory+disk"``: one boolean per flat output, true for those held in memory.
+    io_pool
+        For ``"disk"``: the worker's store I/O pool (see :class:`DiskPieceStore`).
 
     Examples
     --------
@@ -90,7 +94,7 @@ def make_store(
             return AssemblingMemoryStore(dtype, name, partial)
         return MemoryPieceStore(dtype, name)
     if kind == "disk":
-        return DiskPieceStore(dtype, directory, name, buffer_bytes, direct_io)
+        return DiskPieceStore(dtype, directory, name, buffer_bytes, direct_io, io_pool)
     if kind == "memory+disk":
         if partial is None or in_memory is None or dtype.hasobject:
             raise RechunkInputError(
@@ -99,7 +103,7 @@ def make_store(
             )
         return SplitStore(
             AssemblingMemoryStore(dtype, name, partial),
-            DiskPieceStore(dtype, directory, name, buffer_bytes, direct_io),
+            DiskPieceStore(dtype, directory, name, buffer_bytes, direct_io, io_pool),
             in_memory,
         )
     raise RechunkInputError(

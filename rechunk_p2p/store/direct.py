@@ -1,8 +1,9 @@
 """Unbuffered (``O_DIRECT``) reads and writes of the disk store's data file.
 
-Where it runs: task threads, the offload pool and a disk store's flush thread (blocking;
-never on the event loop), but :func:`writeback_threshold_bytes`, read on the worker's loop
-when a run opens (two small ``/proc`` files).
+Where it runs: task threads, the offload pool and the store I/O pool (a disk store's
+background writes, and the extents of one read); blocking, never on the event loop, but
+:func:`writeback_threshold_bytes`, read on the worker's loop when a run opens (two small
+``/proc`` files).
 
 Why: a spill goes through the page cache twice for nothing. Every spilled byte takes a page
 of the cache first (on a virtual machine whose host takes back free memory, a page touched
@@ -29,9 +30,11 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 
 import numpy as np
+
+from rechunk_p2p.offload import OffloadPool
 
 #: Alignment of offsets, lengths and buffers (the largest common logical block size).
 ALIGNMENT = 4096
@@ -115,20 +118,22 @@ def open_direct(path: str) -> int | None:
 class DirectFile:
     """**Thread-safe (guarded by `_lock`).** Aligned, unbuffered I/O on one open file.
 
-    ``_lock`` guards the free staging buffers and the read pool. The descriptor belongs to
-    the caller, who closes it after :meth:`close_blocking`.
+    ``_lock`` guards the free staging buffers. The descriptor belongs to the caller, who
+    closes it after :meth:`close_blocking`.
 
     Parameters
     ----------
     fd
         A descriptor opened with ``O_DIRECT`` (see :func:`open_direct`).
+    pool
+        Runs the extents of one read in parallel (the store's I/O pool).
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, pool: OffloadPool) -> None:
         self.fd = fd
+        self._pool = pool
         self._lock = threading.Lock()
         self._stages: list[mmap.mmap] = []  # free staging buffers, reused
-        self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
     def write_blocking(self, views: Sequence[memoryview], offset: int) -> None:
@@ -194,7 +199,7 @@ class DirectFile:
             if len(reads) == 1:
                 done = [os.preadv(self.fd, [reads[0][0]], reads[0][1])]
             else:
-                pool = self._read_pool()
+                pool = self._pool
                 futures = [pool.submit(os.preadv, self.fd, [r[0]], r[1]) for r in reads]
                 wait(futures)  # all of them, also when one failed: the buffer is reused
                 done = [f.result() for f in futures]
@@ -221,22 +226,11 @@ class DirectFile:
             if not self._closed:
                 self._stages.append(stage)
 
-    def _read_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    READS_IN_FLIGHT, thread_name_prefix="rechunk-p2p-read"
-                )
-            return self._pool
-
     def close_blocking(self) -> None:
-        """Stop the read threads and free the staging buffers (no I/O may be in flight)."""
+        """Free the staging buffers (no I/O may be in flight)."""
         with self._lock:
             self._closed = True
-            pool, self._pool = self._pool, None
             self._stages.clear()
-        if pool is not None:
-            pool.shutdown(wait=True)
 
 
 def _units(offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int, int]]:

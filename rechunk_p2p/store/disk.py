@@ -4,11 +4,11 @@ Where it runs: offload pool and task threads (blocking; never on the event loop)
 
 Layout: a sub-directory of the worker's local directory, named after the store, holding one
 data file. Writes gather pieces in a write buffer (``buffer_bytes``); once they are half of
-it, the store's flush thread writes them, ordered by output and input, so that one
-output's pieces lie one after another, while writers go on gathering the other half (a
-writer waits while its pieces would take the write in flight and the gathered ones past
-``buffer_bytes``: at most that is held then, and under half of it plus one batch when no
-write is in flight).
+it, they are written in the background (on the process's store I/O pool, one write in flight
+a store), ordered by output and input, so that one output's pieces lie one after another,
+while writers go on gathering the other half (a writer waits while its pieces would take the
+write in flight and the gathered ones past ``buffer_bytes``: at most that is held then, and
+under half of it plus one batch when no write is in flight).
 A write reserves a contiguous byte range of the file under the lock, then writes with
 ``os.pwritev`` (per ``IOV_MAX`` buffers) *outside* the lock, so concurrent writers never
 serialise on I/O; only then are the pieces published in the index, numpy rows of
@@ -30,11 +30,11 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from rechunk_p2p.errors import RechunkStorageError
+from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.store.base import (
     Piece,
     StoreStatistics,
@@ -72,6 +72,12 @@ _WRITE_ADVICE = (
 )
 
 
+#: Threads of a worker's store I/O pool: a read runs up to
+#: :data:`~rechunk_p2p.store.direct.READS_IN_FLIGHT` extents at once, and each store has one
+#: background write in flight; the rest let two stores write beside a read.
+STORE_IO_THREADS = 6
+
+
 class DiskPieceStore(DiskWriteBuffer, DiskReads):
     """**Thread-safe (guarded by `_lock`).** Spills pieces to one file under ``directory``.
 
@@ -106,6 +112,10 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         (see :mod:`rechunk_p2p.store.direct`): ``True`` where the platform and file system
         allow it, ``False`` never, ``None`` (auto) decided by the first write's mean bytes per
         output (:func:`~rechunk_p2p.store.direct.worth_direct`).
+    io_pool
+        Runs the background writes and the extents of a read in parallel: the worker's store
+        I/O pool, shared by its stores (``None``: a pool of the store's own, made on first
+        use and shut down at close).
     """
 
     kind = "disk"
@@ -117,6 +127,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         name: str,
         buffer_bytes: int = 0,
         direct_io: bool | None = None,
+        io_pool: OffloadPool | None = None,
     ) -> None:
         self.dtype = np.dtype(dtype)
         self.name = name
@@ -130,12 +141,13 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         self._closed = False
         self._close_done = threading.Event()
         self._inflight = 0
+        self._shared_io = io_pool
+        self._own_io: OffloadPool | None = None
         self._end = 0
         self._buffer_bytes = int(buffer_bytes)
         self._pending: list[Pending] = []  # not written yet
         self._pending_bytes = 0
         self._flushing = 0  # bytes of the background write in flight
-        self._flusher: ThreadPoolExecutor | None = None
         self._flush_error: BaseException | None = None
         self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
         self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
@@ -353,11 +365,20 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
                 self._path = path
                 self._finalizer = weakref.finalize(self, remove_blocking, fds, path, created)
                 if direct_fd is not None:
-                    self._direct = self._direct_file = DirectFile(direct_fd)
+                    self._direct = self._direct_file = DirectFile(direct_fd, self._io_pool())
                 self._fd = fd
             return self._fd
 
     # -- lifecycle ---------------------------------------------------------------------
+
+    def _io_pool(self) -> OffloadPool:
+        """The pool of the background writes and parallel reads (see ``io_pool``)."""
+        if self._shared_io is not None:
+            return self._shared_io
+        with self._lock:
+            if self._own_io is None:
+                self._own_io = OffloadPool(STORE_IO_THREADS, "rechunk-p2p-store-io")
+            return self._own_io
 
     def _release_locked(self) -> None:
         """End one I/O operation; wake :meth:`close_blocking` if none is left. Hold `_lock`."""
@@ -387,10 +408,10 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
             self._unsorted.clear()
             self._held.clear()
             self._ledger.clear()
-            flusher, self._flusher = self._flusher, None
             direct = self._direct_file
-        if flusher is not None:
-            flusher.shutdown(wait=True)  # its last write is done (nothing in flight)
+            own, self._own_io = self._own_io, None
+        if own is not None:
+            own.shutdown(wait=True)  # its last write is done (nothing in flight)
         if direct is not None:
             direct.close_blocking()
         if not first:

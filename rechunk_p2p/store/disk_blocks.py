@@ -1,7 +1,7 @@
 """A disk store's regular batches: written output by output with one index row per output.
 
-Where it runs: the disk store's flush thread and its readers (task threads); numpy only, no
-state of its own.
+Where it runs: the store I/O pool (a disk store's writes) and its readers (task threads);
+numpy only, no state of its own.
 
 A regular batch (one input's pieces for many outputs, all of one shape, see
 :attr:`~rechunk_p2p.transport.wire.Packed.regular`) is what a cut sends every worker. Held

@@ -1,8 +1,8 @@
-"""A disk store's write buffer: pieces gathered in memory, written by one flush thread
-ordered by output (regular batches a group at a time, see
+"""A disk store's write buffer: pieces gathered in memory and written in the background,
+one write in flight a store, ordered by output (regular batches a group at a time, see
 :mod:`rechunk_p2p.store.disk_blocks`).
 
-Where it runs: task threads and the offload pool (gathering), the store's flush thread
+Where it runs: task threads and the offload pool (gathering), the store I/O pool
 (writing); blocking. The buffering half of :class:`~rechunk_p2p.store.disk.DiskPieceStore`,
 which holds the state named here and documents the locks.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.store.base import closed_error
 from rechunk_p2p.store.disk_blocks import (
     Block,
@@ -43,12 +43,12 @@ class DiskWriteBuffer:
     _pending: list[Pending]
     _pending_bytes: int
     _flushing: int
-    _flusher: ThreadPoolExecutor | None
     _flush_error: BaseException | None
     _groups: list[Group]
     _held: set[int]
     _ledger: PieceLedger
     _release_locked: Callable[[], None]
+    _io_pool: Callable[[], OffloadPool]
     _write_rows_blocking: Callable[..., None]
 
     def _gather_blocking(
@@ -59,7 +59,7 @@ class DiskWriteBuffer:
         pairs: Callable[[], np.ndarray],
     ) -> int:
         """Add ``item`` (``total`` bytes of pieces for ``outputs``; ``pairs``, their pair
-        keys) to the write buffer, once there is room; hand the buffer to the flush thread
+        keys) to the write buffer, once there is room; hand the buffer to the store I/O pool
         when it is half full. Returns ``total``."""
         with self._lock:
             # room first: the write in flight and the gathered pieces stay within the buffer
@@ -81,18 +81,16 @@ class DiskWriteBuffer:
             self._flush_pool().submit(self._flush_in_background_blocking, full)
         return total
 
-    def _flush_pool(self) -> ThreadPoolExecutor:
-        """The store's one flush thread (made on first use, joined by :meth:`close_blocking`):
-        the writers go on cutting and receiving while it writes, and one writer a store keeps
-        the disk from serving several of its writes at once."""
-        with self._lock:
-            if self._flusher is None:
-                self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rechunk-p2p-flush")
-            return self._flusher
+    def _flush_pool(self) -> OffloadPool:
+        """Where the buffer is written in the background: the store's I/O pool (the
+        worker's). The writers go on cutting and receiving meanwhile; a store has one write
+        in flight at a time (``_flushing``), which keeps the disk from serving several of its
+        writes at once, and :meth:`close_blocking` waits for it (``_inflight``)."""
+        return self._io_pool()
 
     def _take_full_locked(self) -> list[Pending]:
         """The gathered pieces to write in the background, once they are half the write
-        buffer and no write is in flight (else the flush thread takes them when it is done).
+        buffer and no write is in flight (else the write in flight takes them when it is done).
         Hold `_lock`."""
         if self._flushing or self._pending_bytes < max(self._buffer_bytes // 2, 1):
             return []
@@ -101,7 +99,7 @@ class DiskWriteBuffer:
         return self._take_pending_locked()
 
     def _flush_in_background_blocking(self, pending: list[Pending]) -> None:
-        """On the flush thread: write gathered pieces, then those gathered meanwhile if they
+        """On the store I/O pool: write gathered pieces, then those gathered meanwhile if they
         are half the buffer; an error is kept for the store's next write or read to raise."""
         while pending:
             try:

@@ -37,6 +37,7 @@ from rechunk_p2p.spec import (
     RunSpec,
     ShuffleId,
 )
+from rechunk_p2p.store.disk import STORE_IO_THREADS
 from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
@@ -98,8 +99,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     - ``runs``, ``_closed_totals``, ``_closed_run_ids``: **thread-safe (guarded by `_lock`)**;
     - ``_fetching``, ``_background``: **loop-confined** (the worker's loop);
-    - ``worker``, ``dataplane``, ``offload``: written once in :meth:`setup`, on the worker's
-      loop, before ``_ready`` is set; read-only afterwards (tasks wait for ``_ready``);
+    - ``worker``, ``dataplane``, ``offload``, ``store_io`` (the disk stores' background
+      writes and parallel reads, for every run): written once in :meth:`setup`, on the
+      worker's loop, before ``_ready`` is set; read-only afterwards (tasks wait for
+      ``_ready``);
     - ``_ready``: a ``threading.Event`` (thread-safe).
     """
 
@@ -113,6 +116,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._recent: deque[RunStatistics] = deque(maxlen=RECENT_RUNS)  # closed, newest last
         self.dataplane: DataPlane | None = None
         self.offload: OffloadPool | None = None
+        self.store_io: OffloadPool | None = None
         self._fetching: dict[ShuffleId, asyncio.Future[WorkerRun]] = {}
         self._closed_totals = WorkerTotals(0, 0, 0, 0)
         # highest run id the scheduler closed, per shuffle id (bounded, oldest dropped first)
@@ -136,6 +140,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         warn_removed_settings()
         settings = WorkerSettings.read()
         self.offload = OffloadPool(settings.offload_threads)
+        self.store_io = OffloadPool(STORE_IO_THREADS, "rechunk-p2p-store-io")
         self.dataplane = DataPlane(
             worker.address,
             worker.security,
@@ -174,6 +179,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
             await self.offload.to_thread(self.dataplane.stop_blocking)
         if self.offload is not None:
             self.offload.shutdown(wait=False)
+        if self.store_io is not None:  # the runs' stores are closed: nothing is in flight
+            self.store_io.shutdown(wait=False)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """On the worker loop, for every task's transition: a transfer task arriving freezes
@@ -282,7 +289,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
-        return make_run(run_spec, self.worker, self.dataplane, self.offload, self._closing)
+        return make_run(
+            run_spec, self.worker, self.dataplane, self.offload, self._closing, self.store_io
+        )
 
     def _closing(self) -> bool:
         """Whether the worker is closing (read from any thread)."""

@@ -33,10 +33,11 @@ def make_run(
     dataplane: DataPlane,
     offload: OffloadPool,
     closing: Callable[[], bool],
+    store_io: OffloadPool | None = None,
 ) -> WorkerRun:
-    """A new run of ``run_spec`` on ``worker``: its store, its send buffer on
-    ``dataplane``, and the process tuning held while it is open (released when it
-    closes)."""
+    """A new run of ``run_spec`` on ``worker``: its store (spilling through ``store_io``,
+    the worker's store I/O pool), its send buffer on ``dataplane``, and the process tuning
+    held while it is open (released when it closes)."""
     settings = WorkerSettings.read()
     address = worker.address
     limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
@@ -53,6 +54,7 @@ def make_run(
         direct_io=direct_io(run_spec, storage, address, limit, settings),
         partial=partial if known else None,
         in_memory=in_memory,
+        io_pool=store_io,
     )
     shuffle_id, run_id = run_spec.shuffle_id, run_spec.run_id
 

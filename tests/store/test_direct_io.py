@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from rechunk_p2p import config
+from rechunk_p2p import config, offload
 from rechunk_p2p.errors import RechunkInputError, RechunkStorageError
 from rechunk_p2p.store import direct
 from rechunk_p2p.store import disk as disk_module
@@ -166,15 +166,43 @@ def test_a_truncated_file_is_a_storage_error_on_direct_read(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_read_threads_stop_at_close(tmp_path):
-    store = DiskPieceStore(np.dtype("u1"), tmp_path, "threads", direct_io=True)
-    for k in range(6):  # far apart: several reads in flight
+def test_stores_given_a_pool_start_no_threads_of_their_own(tmp_path):
+    # background writes and the extents of a read run on the pool a store is given (the
+    # worker's): two stores with reads in flight start no thread, and closing them stops none
+    pool = offload.OffloadPool(disk_module.STORE_IO_THREADS, "test-store-io")
+    before = set(threading.enumerate())
+
+    def started() -> set[threading.Thread]:
+        return {t for t in set(threading.enumerate()) - before if t.name[:13] != "test-store-io"}
+
+    stores = [
+        DiskPieceStore(np.dtype("u1"), tmp_path, f"s{i}", direct_io=True, io_pool=pool)
+        for i in range(2)
+    ]
+    for store in stores:
+        for k in range(6):  # far apart: several reads in flight
+            store.write_blocking([(0, k, np.full(200_000, k, np.uint8))])
+            store.write_blocking([(1, k, np.ones(200_000, np.uint8))])
+    for store in stores:
+        pieces = sorted(store.read_blocking(0), key=lambda p: p[0])
+        assert [int(a[0]) for _, a in pieces] == list(range(6))
+    assert not started()
+    assert 2 <= sum(t.name.startswith("test-store-io") for t in threading.enumerate()) <= 6
+    for store in stores:
+        store.close_blocking()
+    assert not started() and not os.listdir(tmp_path)
+    pool.shutdown()
+
+
+def test_a_store_without_a_pool_stops_its_own_at_close(tmp_path):
+    store = DiskPieceStore(np.dtype("u1"), tmp_path, "own", direct_io=True)
+    for k in range(6):
         store.write_blocking([(0, k, np.ones(200_000, np.uint8))])
         store.write_blocking([(1, k, np.ones(200_000, np.uint8))])
     assert len(store.read_blocking(0)) == 6
-    assert any(t.name.startswith("rechunk-p2p-read") for t in threading.enumerate())
+    assert any(t.name.startswith("rechunk-p2p-store-io") for t in threading.enumerate())
     store.close_blocking()
-    assert not any(t.name.startswith("rechunk-p2p-read") for t in threading.enumerate())
+    assert not any(t.name.startswith("rechunk-p2p-store-io") for t in threading.enumerate())
 
 
 @pytest.mark.parametrize(

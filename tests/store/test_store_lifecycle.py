@@ -314,7 +314,7 @@ def _gated_pwritev(monkeypatch):
 
 
 def test_writers_go_on_while_half_the_write_buffer_is_written(monkeypatch, tmp_path):
-    """Half the buffer goes to the flush thread; writers fill the other half meanwhile and
+    """Half the buffer goes to a background write; writers fill the other half meanwhile and
     wait only when both are full; every piece is read back."""
     import threading
 
@@ -323,7 +323,7 @@ def test_writers_go_on_while_half_the_write_buffer_is_written(monkeypatch, tmp_p
     )
     gate, entered = _gated_pwritev(monkeypatch)
     store.write_blocking([piece(0, 0, n=100)])  # 800 bytes: half the buffer, handed on
-    assert entered.wait(20)  # the flush thread is in the (held) write
+    assert entered.wait(20)  # the background write is in the (held) write
     store.write_blocking([piece(1, 0, n=50)])  # returns although the disk is held
     assert store.statistics().max_bytes_in_memory == 1200
     blocked = threading.Thread(target=store.write_blocking, args=([piece(2, 0, n=100)],))
@@ -346,7 +346,7 @@ def test_a_failed_background_write_is_raised_to_the_next_caller(monkeypatch, tmp
     )
     monkeypatch.setattr(os, "pwritev", fail_with(errno.ENOSPC))
     monkeypatch.setattr(os, "pwrite", fail_with(errno.ENOSPC))
-    store.write_blocking([piece(0, 0, n=100)])  # handed to the flush thread, which fails
+    store.write_blocking([piece(0, 0, n=100)])  # handed to a background write, which fails
     with pytest.raises(RechunkStorageError, match="Free space") as info:
         store.read_blocking(0)
     assert info.value.errno == errno.ENOSPC
