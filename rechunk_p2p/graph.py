@@ -316,23 +316,20 @@ class RechunkLayer(Layer):
         # a group of chunks whose place is unknown has one of its own
         assert self._groups_held is not None
         holders = group_holders(spec.partial, spec.transfer_groups, self._groups_held)
-        reads: dict[Any, set] = {}
+        held_keys = {h: (held_name, k) for k, h in enumerate(dict.fromkeys(holders))}
+        reads: dict[Any, set] = {h: set() for h in held_keys}
         for g, (flats, holder) in enumerate(zip(spec.transfer_groups, holders)):
-            key = (name, g)
+            key, held = (name, g), held_keys[holder]
             refs = [self._held_chunk(spec.partial.input_index(f)) for f in flats]
-            task = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs)
-            reads.setdefault(holder, set()).update(task.dependencies)
-            dsk[key] = (refs, flats)
-        held_keys = {}
-        for k, (holder, read) in enumerate(reads.items()):
-            held = held_keys[holder] = (held_name, k)
-            dsk[held] = Task(held, tasks.held, *(TaskRef(d) for d in sorted(read, key=str)))
-        for g, holder in enumerate(holders):
-            key = (name, g)
-            refs, flats = dsk[key]
-            after = TaskRef(held_keys[holder])
-            dsk[key] = Task(key, tasks.transfer_group, spec.shuffle_id, flats, *refs, after=after)
+            task = Task(
+                key, tasks.transfer_group, spec.shuffle_id, flats, *refs, after=TaskRef(held)
+            )
+            dsk[key] = task
+            reads[holder] |= task.dependencies - {held}
             transfers.append(TaskRef(key))
+        for holder, held in held_keys.items():
+            read = sorted(reads[holder], key=str)
+            dsk[held] = Task(held, tasks.held, *(TaskRef(d) for d in read))
         return self._barrier_and_outputs(dsk, spec, transfers)
 
     def _held_chunk(self, index: tuple[int, ...]) -> GraphNode | TaskRef:
