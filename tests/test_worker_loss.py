@@ -66,11 +66,16 @@ def _cluster():
         yield client
 
 
-def _source(seed: int, rows: int = 20) -> da.Array:
+def _fill(shape, dtype, block_info=None):
+    return expected_block(shape, block_info[None]["array-location"], dtype)
+
+
+def _source(seed: int, rows: int = 20, slow: bool = True) -> da.Array:
+    """The input, each chunk made in 20 ms more (``slow``: a made input, so that the
+    transfer phase lasts) or at once (an input persisted before the rechunk)."""
     chunks = da.core.normalize_chunks((rows, SHAPE[1]), SHAPE)
-    return da.map_blocks(
-        _slow_fill, SHAPE, DTYPE, dtype=DTYPE, chunks=chunks, name=f"source-{seed}"
-    )
+    fill = _slow_fill if slow else _fill
+    return da.map_blocks(fill, SHAPE, DTYPE, dtype=DTYPE, chunks=chunks, name=f"source-{seed}")
 
 
 def _scheduler_state(dask_scheduler) -> dict:
@@ -168,7 +173,7 @@ def _kill_during(client, phase: str, seed: int, rows: int = 20, held: bool = Fal
     if phase == "unpack":
         client.run(_stretch_unpacks)
     pids = _pids(client)  # before: a round trip less between seeing the phase and the kill
-    x = _source(seed, rows)
+    x = _source(seed, rows, slow=not held)
     if held:
         client.run(_stretch_held_transfers)
         x = client.persist(x)
