@@ -263,7 +263,8 @@ def format_phases(
             + f" {other:10.1f}"
         )
     lines.append(
-        "data s: generating and checking the data alone, no rechunk (a cluster of its own); "
+        "data s: generating and checking the data alone, no rechunk (a cluster of its own; "
+        "derived: the reduction its chunks share); "
         "cut/queue_wait/assemble: task threads; send: sends in flight (summed); store: offload "
         "pool; other: task-thread time outside the engine (input generation, the result "
         f"check, scheduling, idle) of wall x {threads} task threads; floor: 2 memory copies "

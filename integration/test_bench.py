@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,7 @@ def test_bench_persisted_outputs_are_checked_after_the_clock(
         good = bench.run_one(client, "dask-tasks", w, args)
         assert good["ok"] and good["error"] is None and good["wall_s"] > 0, good
         assert bench.data_only_seconds(client, w) > 0
+        assert bench.data_only_seconds(client, replace(w, origin="derived")) > 0
         real = workloads.rechunk_with
         # an implementation that misplaces elements: found after the clock stops
         monkeypatch.setattr(

@@ -283,8 +283,14 @@ def input_array(w: Workload, client: Any = None) -> da.Array:
     distributed.wait(x)
     if w.origin == "held":
         return x
-    m = x.min(axis=0, keepdims=True)
+    m = shared_reduction(x)
     return x - m + m
+
+
+def shared_reduction(x: da.Array) -> da.Array:
+    """The reduction every chunk of a derived input reads: the minimum along the first axis
+    of the held ``x`` (each implementation computes it before any chunk can be derived)."""
+    return x.min(axis=0, keepdims=True)
 
 
 def checked(y: da.Array, w: Workload) -> da.Array:
