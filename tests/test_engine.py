@@ -342,6 +342,31 @@ async def test_objects_are_frozen_when_transfer_tasks_arrive(c, s, a):
     await _unfrozen(frozen_before)
 
 
+@pytest.mark.parametrize("name", ["rechunk_p2p-held-0a1b-0", "add-rechunk_p2p-transfer-0a1b-0"])
+def test_a_held_or_transfer_task_arriving_freezes_the_objects(name):
+    """The task that reads a held input's chunks runs before any transfer task reaches its
+    worker: its arrival freezes the objects too, and the worker is busy until it is done."""
+    import gc
+
+    from rechunk_p2p.worker.plugin import RechunkWorkerPlugin
+    from rechunk_p2p.worker.tuning import PROCESS_TUNING
+
+    plugin = RechunkWorkerPlugin()
+    plugin._freeze_early = True
+    before = gc.get_freeze_count()
+    try:
+        plugin.transition(("other-0a1b", 0), "released", "waiting")
+        assert gc.get_freeze_count() == before and not plugin._unfinished_transfers
+        plugin.transition((name, 0), "released", "waiting")
+        assert gc.get_freeze_count() > before
+        assert plugin._unfinished_transfers == {(name, 0)}
+        plugin.transition((name, 0), "executing", "memory")
+        assert not plugin._unfinished_transfers
+    finally:
+        assert PROCESS_TUNING.unfreeze_unused()
+    assert gc.get_freeze_count() <= before
+
+
 class _Cycle:
     def __init__(self) -> None:
         self.me = self

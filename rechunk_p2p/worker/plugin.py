@@ -30,6 +30,7 @@ from rechunk_p2p.errors import (
 from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
 from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import (
+    HELD_PREFIX,
     METADATA_KEY,
     PLUGIN_NAME,
     TRANSFER_PREFIX,
@@ -183,11 +184,15 @@ class RechunkWorkerPlugin(WorkerPlugin):
             self.store_io.shutdown(wait=False)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        """On the worker loop, for every task's transition: a transfer task arriving freezes
-        the process's objects (:meth:`ProcessTuning.freeze_early`); the transfers here that
+        """On the worker loop, for every task's transition: a transfer task, or the task
+        that reads a held input's chunks for them (it runs before any transfer reaches the
+        worker, and gathering thousands of chunks can set off a full collection), arriving
+        freezes the process's objects (:meth:`ProcessTuning.freeze_early`); those here that
         have not finished are counted (the worker is not idle while one waits, for its
         inputs, say)."""
-        if not (isinstance(key, tuple) and TRANSFER_PREFIX in key[0]):
+        if not (
+            isinstance(key, tuple) and (TRANSFER_PREFIX in key[0] or key[0].startswith(HELD_PREFIX))
+        ):
             return
         if finish in _FINISHED:
             self._unfinished_transfers.discard(key)
