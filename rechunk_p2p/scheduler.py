@@ -31,6 +31,7 @@ from rechunk_p2p.recovery import (
 )
 from rechunk_p2p.settings import SchedulerSettings
 from rechunk_p2p.spec import (
+    BARRIER_PREFIX,
     METADATA_KEY,
     PLUGIN_NAME,
     TRANSFER_PREFIX,
@@ -128,7 +129,16 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         workers finish theirs (:meth:`_refill`). Called by the scheduler before it
         transitions the new tasks; tasks with restrictions of their own are left to
         distributed.
+
+        A graph with a rechunk in it also tells every worker to freeze its objects now
+        (:meth:`ProcessTuning.freeze_early`), ahead of the graph's first task message on the
+        same stream: the tasks before the rechunk's own (a reduction of the input, say) come
+        in thousands, and their allocations set off full collections of the whole heap.
         """
+        if tasks and any(isinstance(k, str) and k.startswith(BARRIER_PREFIX) for k in tasks):
+            msg = {"op": "rechunk_p2p_expect"}
+            workers = [ws.address for ws in scheduler.running]
+            scheduler.send_all({}, {w: [msg] for w in workers if w in scheduler.stream_comms})
         limit = SchedulerSettings.read().assign_transfers
         if limit <= 0 or not tasks:
             return

@@ -367,6 +367,42 @@ def test_a_held_or_transfer_task_arriving_freezes_the_objects(name):
     assert gc.get_freeze_count() <= before
 
 
+def _zero():
+    return 0
+
+
+def _grid_row(i, zero):
+    return np.arange(20 * i, 20 * (i + 1)).reshape(1, 20) + zero
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_graph_with_a_rechunk_freezes_the_objects_before_its_first_task(c, s, a):
+    """The tasks a rechunk's input waits for (a reduction, say) reach the worker before any
+    of the rechunk's own: the objects are frozen when the graph reaches the scheduler."""
+    import gc
+
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    _BUSY_GATE.clear()
+    blocker = c.submit(_busy, 1)  # holds the worker's only thread
+    while not a.state.executing:
+        await asyncio.sleep(0.01)
+    zero = dask.delayed(_zero)()  # every input chunk waits for it, as for a reduction
+    rows = [dask.delayed(_grid_row)(i, zero) for i in range(20)]
+    x = da.concatenate([da.from_delayed(r, shape=(1, 20), dtype=int) for r in rows])
+    fut = c.compute(rechunk_p2p.rechunk(x, (20, 1)))
+    while zero.key not in a.state.tasks:  # it came; the rechunk's tasks wait for it
+        await asyncio.sleep(0.01)
+    assert gc.get_freeze_count() > frozen_before
+    assert not any("rechunk_p2p" in str(k) for k in a.state.tasks)
+    _BUSY_GATE.set()
+    np.testing.assert_array_equal(await fut, np.arange(400).reshape(20, 20))
+    await blocker
+    del fut, blocker
+    await assert_clean(s, a)
+    await _unfrozen(frozen_before)
+
+
 class _Cycle:
     def __init__(self) -> None:
         self.me = self

@@ -154,6 +154,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         worker.handlers["rechunk_p2p_worker_barrier"] = self._worker_barrier
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         worker.stream_handlers["rechunk_p2p_continue"] = self._continue_handler
+        worker.stream_handlers["rechunk_p2p_expect"] = self._expect_handler
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
         self._freeze_early = settings.process_tuning
         self._unfreezer = asyncio.ensure_future(self._unfreeze_when_idle())
@@ -378,6 +379,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
         fast = getattr(data, "fast", data)  # a SpillBuffer's in-memory part, or a dict
         held = {flat: fast.get(run_spec.spec.output_key(flat)) for flat in outputs}
         return {flat: value for flat, value in held.items() if value is not None}
+
+    def _expect_handler(self) -> None:
+        """A graph with a rechunk reached the scheduler: freeze before its first task."""
+        if self._freeze_early:
+            _tuning.freeze_early()
 
     def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:
