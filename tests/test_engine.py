@@ -315,6 +315,15 @@ def _busy(x):
     return x
 
 
+async def _hold_the_only_thread(c, a):
+    """A task that holds worker ``a``'s only thread until ``_BUSY_GATE`` is set."""
+    _BUSY_GATE.clear()
+    blocker = c.submit(_busy, 1)
+    while not a.state.executing:
+        await asyncio.sleep(0.01)
+    return blocker
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_objects_are_frozen_when_transfer_tasks_arrive(c, s, a):
     """A worker takes a graph's task messages in one step of its loop, and their
@@ -324,10 +333,7 @@ async def test_objects_are_frozen_when_transfer_tasks_arrive(c, s, a):
 
     frozen_before = gc.get_freeze_count()
     await rechunk_p2p.register(c)
-    _BUSY_GATE.clear()
-    blocker = c.submit(_busy, 1)  # holds the worker's only thread
-    while not a.state.executing:
-        await asyncio.sleep(0.01)
+    blocker = await _hold_the_only_thread(c, a)
     x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
     fut = c.compute(rechunk_p2p.rechunk(x, (20, 1)))
     while not any("transfer" in str(k) for k in a.state.tasks):
@@ -383,10 +389,7 @@ async def test_a_graph_with_a_rechunk_freezes_the_objects_before_its_first_task(
 
     frozen_before = gc.get_freeze_count()
     await rechunk_p2p.register(c)
-    _BUSY_GATE.clear()
-    blocker = c.submit(_busy, 1)  # holds the worker's only thread
-    while not a.state.executing:
-        await asyncio.sleep(0.01)
+    blocker = await _hold_the_only_thread(c, a)
     zero = dask.delayed(_zero)()  # every input chunk waits for it, as for a reduction
     rows = [dask.delayed(_grid_row)(i, zero) for i in range(20)]
     x = da.concatenate([da.from_delayed(r, shape=(1, 20), dtype=int) for r in rows])
