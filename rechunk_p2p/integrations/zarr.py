@@ -211,6 +211,7 @@ class ZarrRechunk:
         self._client = client
         self._max_mem = max_mem
         self._done = False
+        self._target_open = False  # the run record is written (or checked, to resume)
 
     @functools.cached_property
     def plan(self) -> dict[str, Any]:
@@ -279,6 +280,7 @@ class ZarrRechunk:
         record = run_record_of(describe(job.root), job.layouts, job.zarr_format)
         if job.dest.resume:
             check_resumable(read_run_record(store), record, str(job.dest))
+            self._target_open = True
             if client is not None:  # a lost client's writes may still be running there
                 wait_for_writers(client)
             targets = open_target(job)
@@ -286,6 +288,7 @@ class ZarrRechunk:
         else:
             job.dest.clear()
             write_run_record(store, record)  # first: the target is recognisably unfinished
+            self._target_open = True
             targets = create_target(job)
             done = [set() for _ in job.layouts]
         arrays = source_arrays(job.layouts, storage=storage, limit=self._max_mem)
@@ -308,14 +311,14 @@ class ZarrRechunk:
         with client_for(self._client) as client, lag_probe(client) as probe:
             before = cluster_statistics(client)
             start = time.perf_counter()
-            written, done = self._prepare(client)
-            graph, keys = missing_keys(written, done)
             try:
+                written, done = self._prepare(client)
+                graph, keys = missing_keys(written, done)
                 run_writes(
                     client, graph, keys, progress=self._progress, on_task_error=job.dest.remove
                 )
-            except BaseException as e:
-                if is_unfinished(job.dest.location):
+            except BaseException as e:  # (an interrupt too, while the graph is built)
+                if self._target_open and is_unfinished(job.dest.location):
                     _note(
                         e,
                         f"{job.dest} holds an unfinished run: resume it with resume=True "

@@ -96,6 +96,24 @@ def test_resume_refuses_a_different_run_and_a_finished_target(p2p_client, tmp_pa
     assert not (tmp_path / "none.zarr").exists()
 
 
+def test_an_interrupt_while_the_writes_are_built_says_how_to_resume(p2p_client, tmp_path):
+    """Ctrl-C can land after the target is created and before its writes are submitted (the
+    graph of a large run takes a while to build): the same note as during the writes."""
+    src, target = tmp_path / "src.zarr", tmp_path / "out.zarr"
+    make_climate_group(src, 3)
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as m, pytest.raises(KeyboardInterrupt) as info:
+        m.setattr("rechunk_p2p.integrations.zarr.missing_keys", interrupt)
+        rechunk_zarr(src, target, CHUNKS, progress=False)
+    assert any("resume it with resume=True" in n for n in info.value.__notes__), info.value
+    rechunk_zarr(src, target, CHUNKS, resume=True, progress=False)
+    for name, arr in arrays_of(src).items():
+        assert_same_values(arr, arrays_of(target)[name])
+
+
 def test_overwrite_replaces_an_unfinished_run_and_its_stray_chunks(p2p_client, tmp_path):
     src, target = tmp_path / "src.zarr", tmp_path / "out.zarr"
     make_climate_group(src, 3)
