@@ -73,6 +73,7 @@ class RunRecovery:
     _run_ids: itertools.count
     _stale_rounds: itertools.count
     _computed_on: dict[Any, str]
+    _cut_before: set[Any]
     restarts: int
     restarts_saved: int
     continuations: int
@@ -133,10 +134,16 @@ class RunRecovery:
         worker assembled already, or is assembling (tasks that the release cancels), are kept
         for the continued run's tasks (their pieces are gone).
         """
-        tasks = self.scheduler.tasks
-        barrier = tasks[barrier_key(shuffle_id)]
+        barrier = self.scheduler.tasks[barrier_key(shuffle_id)]
         resend_all = self._resend_all(run, worker, barrier)
         new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)), resend_all)
+        self._continue_as(shuffle_id, run, worker, new, barrier)
+
+    def _continue_as(
+        self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str, new: RunSpec, barrier: Any
+    ) -> None:
+        """Tell the run's workers that ``new`` continues the run ``worker`` left, then release
+        the barrier and the transfers (see :meth:`_continue_without`)."""
         keep, finished = self._unfinished_outputs(new)
         moved = new.moved - run.run_spec.moved
         run.run_spec = new
@@ -157,12 +164,13 @@ class RunRecovery:
             if w in self.scheduler.stream_comms
         }
         self.scheduler.send_all({}, msgs)  # before the releases below (same stream, in order)
-        recs = {
-            ts.key: "released"
-            for chain in map(transfer_chain, barrier.dependencies)
-            for ts in chain
-            if ts.state == "memory"
-        }
+        recs = {}
+        for chain in map(transfer_chain, barrier.dependencies):
+            for ts in chain:
+                if ts.state == "memory":
+                    recs[ts.key] = "released"
+                elif ts.state == "processing":  # finishes with the run it was cut for
+                    self._cut_before.add(ts.key)
         if barrier.state in ("memory", "processing"):  # (released already if it was lost)
             recs[barrier.key] = "released"
         self.continuations += 1
@@ -177,7 +185,7 @@ class RunRecovery:
             new.run_id,
             len(moved),
             finished,
-            len(resend_all),
+            len(new.resend_all),
             len(new.spec.inputs),
         )
         stimulus_id = f"{STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
@@ -238,6 +246,8 @@ class RunRecovery:
             where = next(
                 (self._computed_on[t.key] for t in chain if t.key in self._computed_on), None
             )
+            if any(t.key in self._cut_before for t in chain):
+                where = None  # (cut for an earlier run: maybe the moved outputs' pieces only)
             sent_all = not spec.lineage or i in spec.resend_all
             if chain and chain[0].state == "memory" and where not in (None, worker) and sent_all:
                 run.full_by[i] = where
@@ -251,14 +261,26 @@ class RunRecovery:
         Before the barrier passed, pieces of the transfers it ran may not have been
         delivered: those transfers run again on other workers (receivers drop pieces they
         already hold) and the barrier waits for them; transfers whose results were lost with
-        the worker are recomputed by the scheduler anyway. After the barrier passed, every
-        piece was delivered and the run needs nothing of the worker.
+        the worker are recomputed by the scheduler anyway. In a continued run, inputs it had
+        cut in full for an earlier run may still wait in its send queues (a queue goes when
+        it makes a message, or at the barrier): a run that continues this one sends them in
+        full again (see :meth:`_resend_all`). After the barrier passed, every piece was
+        delivered and the run needs nothing of the worker.
         """
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
+        pending = barrier is not None and barrier.state in BARRIER_PENDING
+        if pending and worker in run.full_by.values():
+            # inputs it had cut in full in an earlier run of the lineage, their pieces maybe
+            # still in its send queues: a continued run's transfers send only the moved
+            # outputs' pieces, so a run that continues this one sends theirs in full
+            resend_all = self._resend_all(run, worker, barrier)
+            new = run.run_spec.continued(RunId(next(self._run_ids)), resend_all)
+            self._continue_as(shuffle_id, run, worker, new, barrier)
+            return
         run.participants.discard(worker)
         run.departed.add(worker)
         self.restarts_saved += 1
-        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
-        if barrier is None or barrier.state not in BARRIER_PENDING:
+        if not pending:
             return
         ran_there = [
             chain

@@ -76,6 +76,9 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         self.outputs_moved = 0  # outputs continuations moved to another worker
         # transfer key -> the worker that computed it, while its result is in memory
         self._computed_on: dict[Any, str] = {}
+        # transfer keys that were running when their run was continued: cut for the run
+        # before, whatever their result says, until they are released and run again
+        self._cut_before: set[Any] = set()
         self.waves = TransferWaves()
         self.finished: deque[FinishedRun] = deque(maxlen=FINISHED_KEPT)  # for the dashboard
         self.errors: Counter[str] = Counter()  # transfers and barriers that erred, by type
@@ -388,6 +391,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
                 self._computed_on[key] = kwargs["worker"]
             elif finish in ("released", "erred", "forgotten"):
                 self._computed_on.pop(key, None)
+                self._cut_before.discard(key)
             if (worker := self.waves.moved(key, start, finish)) is not None:
                 asyncio.get_running_loop().call_soon(self._refill, worker)
             return
@@ -438,4 +442,5 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self._computed_on.clear()
+        self._cut_before.clear()
         self.waves = TransferWaves()

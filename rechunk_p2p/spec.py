@@ -8,7 +8,7 @@ workers) for every attempt to run it.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NewType
 
@@ -295,6 +295,23 @@ class RunSpec:
     def worker_for(self, flat: int) -> str:
         """The worker that assembles output ``flat``."""
         return self.workers[self.worker_position(flat)]
+
+    def continued(self, run_id: RunId, resend_all: frozenset[int]) -> RunSpec:
+        """The run that continues this one with every output where it is: after a worker
+        that assembles none left while pieces it had cut in full waited in its send queues.
+        ``resend_all``: see the class.
+
+        >>> from rechunk_p2p.planning import make_partials
+        >>> (p,) = make_partials(((4,), (6,)), ((4,), (1,) * 6))
+        >>> spec = ShuffleSpec(ShuffleId("s-0"), p, np.dtype("f8"), "memory", "out")
+        >>> run = RunSpec(spec, RunId(1), ("a", "b"), ("A", "B"), shift=0)
+        >>> after = run.continued(RunId(2), frozenset({0}))
+        >>> [after.worker_for(i) for i in range(6)], after.lineage, sorted(after.resend_all)
+        (['a', 'a', 'a', 'b', 'b', 'b'], (1,), [0])
+        """
+        return replace(
+            self, run_id=run_id, lineage=(*self.lineage, self.run_id), resend_all=resend_all
+        )
 
     def continued_without(
         self, worker: str, run_id: RunId, resend_all: frozenset[int] = frozenset()

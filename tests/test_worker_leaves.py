@@ -9,6 +9,7 @@ pieces and finished outputs are kept. Nothing is lost either way.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import dask.array as da
@@ -18,7 +19,7 @@ from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
 from tests.conftest import assert_clean
-from tests.engine_helpers import PLUGIN, THREE, check_result
+from tests.engine_helpers import ONE, PLUGIN, THREE, check_result
 
 
 def _slow(block):
@@ -122,3 +123,58 @@ async def test_an_owner_leaving_after_the_barrier_continues_the_run_keeping_fini
     assert all(_computed(s, key) == 1 for key in kept)  # not computed again
     del future
     await assert_clean(s, *(w for w in workers if w.address != owner))
+
+
+def _slow_rows(block_info=None) -> np.ndarray:
+    """Rows of ``np.arange(3600).reshape(60, 60)``, each made in 30 ms."""
+    time.sleep(0.03)
+    (r0, r1), (c0, c1) = block_info[None]["array-location"]
+    return (np.arange(r0, r1)[:, None] * 60 + np.arange(c0, c1)).astype("f8")
+
+
+def _hold_sends(worker) -> threading.Event:
+    """Injected: the worker's data-plane sends wait until the event is set (as pieces wait in
+    its send queues for a message's worth, or for the barrier). Its loop is another thread's,
+    hence a threading event, polled."""
+    dataplane = worker.plugins[PLUGIN].dataplane
+    send, gate = dataplane.send, threading.Event()
+
+    async def held(*args, **kwargs):
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return await send(*args, **kwargs)
+
+    dataplane.send = held
+    return gate
+
+
+@gen_cluster(client=True, nthreads=ONE * 4)
+async def test_a_bystander_leaving_a_continued_run_with_pieces_it_never_sent(c, s, *workers):
+    """In a continued run a transfer sends only the moved outputs' pieces: the inputs a
+    bystander had cut in full for an earlier run, their pieces still queued on it, must be
+    sent in full again when it leaves (a 12-worker chaos run lost them this way)."""
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
+    x = da.map_blocks(_slow_rows, chunks=((1,) * 60, (60,)), dtype="f8")  # made: no aliases
+    future = c.compute(rechunk_p2p.rechunk(x, (60, 30)))  # 2 owners, 2 bystanders
+    run = await _run_once_active(s)
+    by_address = {w.address: w for w in workers}
+    bystanders = sorted(set(run.run_spec.workers) - run.owners)
+    gates = {b: _hold_sends(by_address[b]) for b in bystanders}
+    computed_on = s.plugins[PLUGIN]._computed_on
+    while not set(bystanders) <= set(computed_on.values()):
+        await asyncio.sleep(0.005)  # each cut inputs in full; their pieces wait on it
+    await by_address[sorted(run.owners)[0]].close()  # run 2 continues run 1
+    while run.run_spec.run_id == 1:
+        await asyncio.sleep(0.005)
+    (leaver,) = [b for b in bystanders if b not in run.owners]  # still without outputs
+    assert leaver in run.full_by.values(), run.full_by
+    for b in bystanders:
+        if b != leaver:
+            gates[b].set()
+    await by_address[leaver].close()  # with the pieces it held
+    check_result(await asyncio.wait_for(future, 60), arr)
+    plugin = s.plugins[PLUGIN]
+    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 2)
+    del future
+    await assert_clean(s, *(w for w in workers if w.status.name == "running"))
