@@ -57,6 +57,7 @@ def _kill_until(client: Client, stop: threading.Event, seed: int, kills: list[st
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("twelve-workers")  # one at a time: each wants the whole machine
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", range(10))
 def test_a_rechunk_on_twelve_workers_survives_a_kill_every_few_seconds(seed):
