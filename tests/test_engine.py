@@ -315,6 +315,17 @@ def _busy(x):
     return x
 
 
+async def _release_and_check(s, a, fut, blocker, frozen_before: int) -> None:
+    """The end of the freeze-on-arrival tests: let the held thread go, check the 20 x 20
+    grid, and that nothing is left and the freeze is undone once the worker is idle."""
+    _BUSY_GATE.set()
+    np.testing.assert_array_equal(await fut, np.arange(400).reshape(20, 20))
+    await blocker
+    del fut, blocker
+    await assert_clean(s, a)
+    await _unfrozen(frozen_before)
+
+
 async def _hold_the_only_thread(c, a):
     """A task that holds worker ``a``'s only thread until ``_BUSY_GATE`` is set."""
     _BUSY_GATE.clear()
@@ -340,12 +351,7 @@ async def test_objects_are_frozen_when_transfer_tasks_arrive(c, s, a):
         await asyncio.sleep(0.01)
     assert gc.get_freeze_count() > frozen_before
     assert not _runs(a) and not a.plugins["rechunk-p2p"]._fetching  # no transfer ran yet
-    _BUSY_GATE.set()
-    np.testing.assert_array_equal(await fut, np.arange(400).reshape(20, 20))
-    await blocker
-    del fut, blocker
-    await assert_clean(s, a)
-    await _unfrozen(frozen_before)
+    await _release_and_check(s, a, fut, blocker, frozen_before)
 
 
 @pytest.mark.parametrize("name", ["rechunk_p2p-held-0a1b-0", "add-rechunk_p2p-transfer-0a1b-0"])
@@ -398,12 +404,7 @@ async def test_a_graph_with_a_rechunk_freezes_the_objects_before_its_first_task(
         await asyncio.sleep(0.01)
     assert gc.get_freeze_count() > frozen_before
     assert not any("rechunk_p2p" in str(k) for k in a.state.tasks)
-    _BUSY_GATE.set()
-    np.testing.assert_array_equal(await fut, np.arange(400).reshape(20, 20))
-    await blocker
-    del fut, blocker
-    await assert_clean(s, a)
-    await _unfrozen(frozen_before)
+    await _release_and_check(s, a, fut, blocker, frozen_before)
 
 
 class _Cycle:
