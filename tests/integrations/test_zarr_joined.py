@@ -10,6 +10,17 @@ import rechunk_p2p
 from tests.conftest import assert_clean_sync
 
 
+def _runs_created(client) -> int:
+    """Runs the scheduler's plugin has made; 0 before the first rechunk registers it (the
+    module's cluster is new when a parallel test process starts with any of its tests)."""
+
+    def count(dask_scheduler) -> int:
+        plugin = dask_scheduler.plugins.get("rechunk-p2p")
+        return 0 if plugin is None else plugin.runs_created
+
+    return client.run_on_scheduler(count)
+
+
 def test_a_zarr_input_is_read_inside_the_transfers(p2p_client, tmp_path):
     z = zarr.open_array(tmp_path / "in.zarr", mode="w", shape=(256, 6, 10), chunks=(1, 6, 10))
     values = np.random.default_rng(0).random((256, 6, 10))
@@ -20,13 +31,9 @@ def test_a_zarr_input_is_read_inside_the_transfers(p2p_client, tmp_path):
     y = rechunk_p2p.rechunk(x, (256, 3, 5))
     transfers = [k for k in dict(y.__dask_graph__()) if "rechunk_p2p-transfer" in str(k)]
     assert len(transfers) == plan.n_transfers
-    runs = p2p_client.run_on_scheduler(
-        lambda dask_scheduler: dask_scheduler.plugins["rechunk-p2p"].runs_created
-    )
+    runs = _runs_created(p2p_client)
     np.testing.assert_array_equal(y.compute(), values)
-    after = p2p_client.run_on_scheduler(
-        lambda dask_scheduler: dask_scheduler.plugins["rechunk-p2p"].runs_created
-    )
+    after = _runs_created(p2p_client)
     assert after - runs == plan.n_shuffles == 1
     assert_clean_sync(p2p_client)
 
@@ -66,9 +73,7 @@ def test_xarray_open_zarr_chunk_joins_through_the_installed_engine(p2p_client, t
     values = np.random.default_rng(2).random((256, 6, 10)).astype("f4")
     ds = xr.Dataset({"v": (("time", "y", "x"), values)}, coords={"time": np.arange(256)})
     ds.chunk({"time": 1}).to_zarr(tmp_path / "maps.zarr", zarr_format=3, consolidated=False)
-    before = p2p_client.run_on_scheduler(
-        lambda dask_scheduler: dask_scheduler.plugins["rechunk-p2p"].runs_created
-    )
+    before = _runs_created(p2p_client)
     with rechunk_p2p.installed(), dask.config.set({"array.rechunk.method": "p2p"}):
         opened = xr.open_zarr(tmp_path / "maps.zarr", consolidated=False)
         assert rechunk_p2p.plan(opened["v"].data, (256, 3, 5), n_workers=2).groups is not None
@@ -80,9 +85,7 @@ def test_xarray_open_zarr_chunk_joins_through_the_installed_engine(p2p_client, t
             var.encoding.pop("chunks", None)
             var.encoding.pop("preferred_chunks", None)
         rechunked.to_zarr(tmp_path / "series.zarr", zarr_format=3, consolidated=False)
-    after = p2p_client.run_on_scheduler(
-        lambda dask_scheduler: dask_scheduler.plugins["rechunk-p2p"].runs_created
-    )
+    after = _runs_created(p2p_client)
     assert after > before
     out = xr.open_zarr(tmp_path / "series.zarr", consolidated=False)
     assert out["v"].encoding["chunks"] == (256, 3, 5)
