@@ -45,7 +45,11 @@ from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
 from rechunk_p2p.worker.scheduler_rpc import error_reply, scheduler_rpc, worker_closing
-from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL, UNFREEZE_IDLE_SECONDS
+from rechunk_p2p.worker.tuning import (
+    GIL_SWITCH_INTERVAL,
+    UNFREEZE_EXPECT_SECONDS,
+    UNFREEZE_IDLE_SECONDS,
+)
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
 
 logger = logging.getLogger(__name__)
@@ -129,6 +133,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         # transfer tasks on this worker that have not finished (worker loop only)
         self._unfinished_transfers: set[Any] = set()
         self._unfreezer: asyncio.Future[None] | None = None
+        # loop time until which a rechunk's graph is expected here (worker loop only)
+        self._expected_until: float | None = None
         self.heartbeat = live.Heartbeat(self)  # the dashboard's numbers, with every heartbeat
 
     def __reduce__(self) -> tuple:
@@ -191,6 +197,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
         freezes the process's objects (:meth:`ProcessTuning.freeze_early`); those here that
         have not finished are counted (the worker is not idle while one waits, for its
         inputs, say)."""
+        if self._expected_until is not None and start == "released":
+            self._expected_until = None  # the graph came: its tasks keep the worker busy
         if not (
             isinstance(key, tuple) and (TRANSFER_PREFIX in key[0] or key[0].startswith(HELD_PREFIX))
         ):
@@ -207,18 +215,27 @@ class RechunkWorkerPlugin(WorkerPlugin):
         here and no task has run for :data:`UNFREEZE_IDLE_SECONDS`, unfreeze and collect (a
         full collection, which stops the loop too, so it must not fall between the phases
         of a rechunk), and close the data plane's idle connections (a worker keeps one or
-        more to every peer it sent to)."""
+        more to every peer it sent to). A worker told that a graph with a rechunk reached
+        the scheduler is not idle until a task arrives, for at most
+        :data:`UNFREEZE_EXPECT_SECONDS`: its first tasks of the graph may wait for results
+        of other workers (a reduction's, say), and the collection would fall just before
+        them."""
         idle_since = None
         state = getattr(self.worker, "state", None)
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(UNFREEZE_IDLE_SECONDS / 4)
+            now = loop.time()
             # a request for a run holds the tuning, so frozen_unused is false meanwhile
-            busy = (state is not None and state.executing) or self._unfinished_transfers
+            busy = (
+                (state is not None and state.executing)
+                or self._unfinished_transfers
+                or (self._expected_until is not None and now < self._expected_until)
+            )
             idle_connections = self.dataplane is not None and self.dataplane.idle_connections()
             if busy or self.runs or not (_tuning.frozen_unused or idle_connections):
                 idle_since = None
                 continue
-            now = asyncio.get_running_loop().time()
             if idle_since is None:
                 idle_since = now
             elif now - idle_since >= UNFREEZE_IDLE_SECONDS:
@@ -381,9 +398,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
         return {flat: value for flat, value in held.items() if value is not None}
 
     def _expect_handler(self) -> None:
-        """A graph with a rechunk reached the scheduler: freeze before its first task."""
+        """A graph with a rechunk reached the scheduler: freeze before its first task, and
+        hold the freeze until that task comes (see :meth:`_unfreeze_when_idle`)."""
         if self._freeze_early:
             _tuning.freeze_early()
+            self._expected_until = asyncio.get_running_loop().time() + UNFREEZE_EXPECT_SECONDS
 
     def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:
