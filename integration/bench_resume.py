@@ -62,14 +62,19 @@ def command(src: Path, target: Path, args: argparse.Namespace, *extra: str) -> l
 
 
 def timed(cmd: list[str]) -> float:
+    os.sync()  # each run starts with no dirty pages of the one before to write back
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} exited with {done.returncode}:\n{done.stderr}")
+    return seconds
 
 
 def killed_at(cmd: list[str], target: Path, total: int, share: float) -> float:
     """Run ``cmd`` in its own process group and SIGKILL the group once ``share`` of the
     ``total`` chunks have completion records; the share written when it died."""
+    os.sync()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
     done = target / DONE / "0"
     while p.poll() is None:
