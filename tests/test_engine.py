@@ -21,7 +21,7 @@ NTHREADS_2 = [("127.0.0.1", 1), ("127.0.0.1", 1)]
 def _short_idle(monkeypatch):
     """The in-process workers here count a second without tasks as idle (5 s in a real
     worker): the tests that wait for the idle unfreeze wait less."""
-    monkeypatch.setattr("rechunk_p2p.worker.plugin.UNFREEZE_IDLE_SECONDS", 1.0)
+    monkeypatch.setattr("rechunk_p2p.worker.idle.UNFREEZE_IDLE_SECONDS", 1.0)
 
 
 async def _check(c, s, workers, x, chunks):
@@ -268,7 +268,7 @@ async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
     """A worker idle for UNFREEZE_IDLE_SECONDS (shortened here) closes the data plane's
     connections no send uses; the next rechunk opens what it needs."""
     from rechunk_p2p.transport.dataplane import DataPlane
-    from rechunk_p2p.worker import plugin as plugin_module
+    from rechunk_p2p.worker import idle as idle_module
 
     closed = []
     original = DataPlane.close_idle
@@ -279,7 +279,7 @@ async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
         closed.append((before, self.idle_connections()))
 
     monkeypatch.setattr(DataPlane, "close_idle", close_idle)
-    monkeypatch.setattr(plugin_module, "UNFREEZE_IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(idle_module, "UNFREEZE_IDLE_SECONDS", 0.2)
     await rechunk_p2p.register(c)
     x = da.random.default_rng(5).random((40, 30), chunks=(4, 30))
     await _check(c, s, [a, b], x, (40, 3))

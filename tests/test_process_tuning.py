@@ -23,7 +23,7 @@ NTHREADS_2 = [("127.0.0.1", 1), ("127.0.0.1", 1)]
 def _short_idle(monkeypatch):
     """The in-process workers here count a second without tasks as idle (5 s in a real
     worker): the tests that wait for the idle unfreeze wait less."""
-    monkeypatch.setattr("rechunk_p2p.worker.plugin.UNFREEZE_IDLE_SECONDS", 1.0)
+    monkeypatch.setattr("rechunk_p2p.worker.idle.UNFREEZE_IDLE_SECONDS", 1.0)
 
 
 def _runs(worker) -> dict:
@@ -218,16 +218,16 @@ def test_a_held_or_transfer_task_arriving_freezes_the_objects(name):
     from rechunk_p2p.worker.tuning import PROCESS_TUNING
 
     plugin = RechunkWorkerPlugin()
-    plugin._freeze_early = True
+    plugin.idle.freeze_early = True
     before = gc.get_freeze_count()
     try:
         plugin.transition(("other-0a1b", 0), "released", "waiting")
-        assert gc.get_freeze_count() == before and not plugin._unfinished_transfers
+        assert gc.get_freeze_count() == before and not plugin.idle.unfinished_transfers
         plugin.transition((name, 0), "released", "waiting")
         assert gc.get_freeze_count() > before
-        assert plugin._unfinished_transfers == {(name, 0)}
+        assert plugin.idle.unfinished_transfers == {(name, 0)}
         plugin.transition((name, 0), "executing", "memory")
-        assert not plugin._unfinished_transfers
+        assert not plugin.idle.unfinished_transfers
     finally:
         assert PROCESS_TUNING.unfreeze_unused()
     assert gc.get_freeze_count() <= before
@@ -342,14 +342,14 @@ async def test_a_worker_expecting_a_rechunk_keeps_its_objects_frozen_until_the_g
     frozen_before = gc.get_freeze_count()
     await rechunk_p2p.register(c)
     plugin = a.plugins["rechunk-p2p"]
-    plugin._expect_handler()  # as the scheduler's message does
+    plugin.idle.expect()  # as the scheduler's message does
     assert gc.get_freeze_count() > frozen_before
     await asyncio.sleep(3.0)  # three idle periods (1 s here), no task
     assert gc.get_freeze_count() > frozen_before, "unfroze while a graph was expected"
     assert await c.submit(_zero) == 0  # a task came: idle again after it
     await _unfrozen(frozen_before)
 
-    monkeypatch.setattr("rechunk_p2p.worker.plugin.UNFREEZE_EXPECT_SECONDS", 1.0)
-    plugin._expect_handler()  # a graph that never sends this worker a task
+    monkeypatch.setattr("rechunk_p2p.worker.idle.UNFREEZE_EXPECT_SECONDS", 1.0)
+    plugin.idle.expect()  # a graph that never sends this worker a task
     assert gc.get_freeze_count() > frozen_before
     await _unfrozen(frozen_before)

@@ -30,10 +30,8 @@ from rechunk_p2p.errors import (
 from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
 from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import (
-    HELD_PREFIX,
     METADATA_KEY,
     PLUGIN_NAME,
-    TRANSFER_PREFIX,
     RunId,
     RunSpec,
     ShuffleId,
@@ -41,15 +39,12 @@ from rechunk_p2p.spec import (
 from rechunk_p2p.store.disk import STORE_IO_THREADS
 from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed
+from rechunk_p2p.worker.idle import IdleWatch
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
 from rechunk_p2p.worker.scheduler_rpc import error_reply, scheduler_rpc, worker_closing
-from rechunk_p2p.worker.tuning import (
-    GIL_SWITCH_INTERVAL,
-    UNFREEZE_EXPECT_SECONDS,
-    UNFREEZE_IDLE_SECONDS,
-)
+from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
 
 logger = logging.getLogger(__name__)
@@ -57,8 +52,6 @@ logger = logging.getLogger(__name__)
 #: Closed run ids remembered (oldest forgotten first): enough for every rechunk a long-lived
 #: worker has in flight or may still hear stale messages about; ~1 MB at most.
 _CLOSED_IDS_KEPT = 10_000
-#: Worker task states after which a task neither runs nor waits to run here.
-_FINISHED = frozenset({"memory", "error", "released", "forgotten"})
 #: How long a task waits for the plugins to arrive when it installs them itself.
 INSTALL_TIMEOUT = 60.0
 
@@ -129,12 +122,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._background: set[asyncio.Future[None]] = set()
         self._ready = threading.Event()
         self._tearing_down = False  # loop-confined
-        self._freeze_early = False
-        # transfer tasks on this worker that have not finished (worker loop only)
-        self._unfinished_transfers: set[Any] = set()
-        self._unfreezer: asyncio.Future[None] | None = None
-        # loop time until which a rechunk's graph is expected here (worker loop only)
-        self._expected_until: float | None = None
+        self.idle = IdleWatch(self, freeze_early=False)
         self.heartbeat = live.Heartbeat(self)  # the dashboard's numbers, with every heartbeat
 
     def __reduce__(self) -> tuple:
@@ -160,10 +148,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
         worker.handlers["rechunk_p2p_worker_barrier"] = self._worker_barrier
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         worker.stream_handlers["rechunk_p2p_continue"] = self._continue_handler
-        worker.stream_handlers["rechunk_p2p_expect"] = self._expect_handler
+        worker.stream_handlers["rechunk_p2p_expect"] = self.idle.expect
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
-        self._freeze_early = settings.process_tuning
-        self._unfreezer = asyncio.ensure_future(self._unfreeze_when_idle())
+        self.idle.freeze_early = settings.process_tuning
+        self.idle.start()
         metrics.register_worker(self)  # on /metrics, where prometheus_client is installed
         self.heartbeat.install(worker)
         self._ready.set()
@@ -173,8 +161,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._tearing_down = True  # a run fetched from now on is closed as it arrives
         metrics.unregister_worker(self)
         self.heartbeat.uninstall(worker)
-        if self._unfreezer is not None:
-            self._unfreezer.cancel()
+        self.idle.stop()
         with self._lock:
             runs = list(self.runs.values())
         await asyncio.gather(*(self._close_run(run) for run in runs), return_exceptions=True)
@@ -191,58 +178,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
             self.store_io.shutdown(wait=False)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        """On the worker loop, for every task's transition: a transfer task, or the task
-        that reads a held input's chunks for them (it runs before any transfer reaches the
-        worker, and gathering thousands of chunks can set off a full collection), arriving
-        freezes the process's objects (:meth:`ProcessTuning.freeze_early`); those here that
-        have not finished are counted (the worker is not idle while one waits, for its
-        inputs, say)."""
-        if self._expected_until is not None and start == "released":
-            self._expected_until = None  # the graph came: its tasks keep the worker busy
-        if not (
-            isinstance(key, tuple) and (TRANSFER_PREFIX in key[0] or key[0].startswith(HELD_PREFIX))
-        ):
-            return
-        if finish in _FINISHED:
-            self._unfinished_transfers.discard(key)
-            return
-        if start == "released" and self._freeze_early:
-            _tuning.freeze_early()
-        self._unfinished_transfers.add(key)
-
-    async def _unfreeze_when_idle(self) -> None:
-        """On the worker loop: once no run is open or asked for, no transfer task waits
-        here and no task has run for :data:`UNFREEZE_IDLE_SECONDS`, unfreeze and collect (a
-        full collection, which stops the loop too, so it must not fall between the phases
-        of a rechunk), and close the data plane's idle connections (a worker keeps one or
-        more to every peer it sent to). A worker told that a graph with a rechunk reached
-        the scheduler is not idle until a task arrives, for at most
-        :data:`UNFREEZE_EXPECT_SECONDS`: its first tasks of the graph may wait for results
-        of other workers (a reduction's, say), and the collection would fall just before
-        them."""
-        idle_since = None
-        state = getattr(self.worker, "state", None)
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(UNFREEZE_IDLE_SECONDS / 4)
-            now = loop.time()
-            # a request for a run holds the tuning, so frozen_unused is false meanwhile
-            busy = (
-                (state is not None and state.executing)
-                or self._unfinished_transfers
-                or (self._expected_until is not None and now < self._expected_until)
-            )
-            idle_connections = self.dataplane is not None and self.dataplane.idle_connections()
-            if busy or self.runs or not (_tuning.frozen_unused or idle_connections):
-                idle_since = None
-                continue
-            if idle_since is None:
-                idle_since = now
-            elif now - idle_since >= UNFREEZE_IDLE_SECONDS:
-                _tuning.unfreeze_unused()
-                if idle_connections and self.dataplane is not None:
-                    await on_loop(self.dataplane.loop, self.dataplane.close_idle)
-                idle_since = None
+        """On the worker loop, for every task's transition (see :class:`IdleWatch`)."""
+        self.idle.transition(key, start, finish)
 
     # --- runs -----------------------------------------------------------------------------
 
@@ -396,13 +333,6 @@ class RechunkWorkerPlugin(WorkerPlugin):
         fast = getattr(data, "fast", data)  # a SpillBuffer's in-memory part, or a dict
         held = {flat: fast.get(run_spec.spec.output_key(flat)) for flat in outputs}
         return {flat: value for flat, value in held.items() if value is not None}
-
-    def _expect_handler(self) -> None:
-        """A graph with a rechunk reached the scheduler: freeze before its first task, and
-        hold the freeze until that task comes (see :meth:`_unfreeze_when_idle`)."""
-        if self._freeze_early:
-            _tuning.freeze_early()
-            self._expected_until = asyncio.get_running_loop().time() + UNFREEZE_EXPECT_SECONDS
 
     def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:

@@ -23,16 +23,6 @@ from rechunk_p2p.store.pages import OUTPUT_PAGES
 #: threads
 GIL_SWITCH_INTERVAL = 0.001
 
-#: How long a worker runs no task and holds no run before the objects frozen for runs are
-#: unfrozen and collected (:meth:`ProcessTuning.unfreeze_unused`): the collection walks
-#: the whole heap holding the GIL, so it waits for idleness longer than the pauses between
-#: the phases of a rechunk (a reduction's, say)
-UNFREEZE_IDLE_SECONDS = 5.0
-
-#: Longest a worker told that a graph with a rechunk reached the scheduler waits for the
-#: graph's first task before it may count as idle (the scheduler orders the graph first)
-UNFREEZE_EXPECT_SECONDS = 60.0
-
 #: Most objects frozen while runs are open; past it, full collections walk the rest as usual
 #: (garbage cycles among frozen objects wait for the unfreeze: this bounds them)
 _MAX_FROZEN_OBJECTS = 2_000_000
