@@ -344,6 +344,8 @@ async def test_a_worker_expecting_a_rechunk_keeps_its_objects_frozen_until_the_g
     plugin = a.plugins["rechunk-p2p"]
     plugin.idle.expect()  # as the scheduler's message does
     assert gc.get_freeze_count() > frozen_before
+    plugin.idle.transition(("gone-0a1b", 0), "released", "forgotten")  # not an arrival
+    assert plugin.idle.expected_until is not None
     await asyncio.sleep(3.0)  # three idle periods (1 s here), no task
     assert gc.get_freeze_count() > frozen_before, "unfroze while a graph was expected"
     assert await c.submit(_zero) == 0  # a task came: idle again after it

@@ -63,8 +63,8 @@ class IdleWatch:
         process's objects (:meth:`ProcessTuning.freeze_early`); those here that have not
         finished are counted (the worker is not idle while one waits, for its inputs, say).
         """
-        if self.expected_until is not None and start == "released":
-            self.expected_until = None  # a graph came: its tasks keep the worker busy
+        if self.expected_until is not None and start == "released" and finish != "forgotten":
+            self.expected_until = None  # a task came: the graph's tasks keep the worker busy
         if not (
             isinstance(key, tuple) and (TRANSFER_PREFIX in key[0] or key[0].startswith(HELD_PREFIX))
         ):
