@@ -193,8 +193,8 @@ def _unchecked_if_not_empty(target: zarr.Array, block: np.ndarray) -> zarr.Array
     """``target``, or a view of it that writes a chunk without comparing it with the fill
     value first, where ``block`` (one whole chunk) cannot be all fill value: its first
     element differs from it. zarr compares every chunk it writes, element by element, to
-    leave chunks of fill value unwritten; for 12 MiB float32 chunks that was a tenth of a
-    zarr-to-zarr run's CPU. Shards are left to zarr (it checks their inner chunks one by
+    leave chunks of fill value unwritten: 1.4 CPU s for the 1.5 GiB of 12 MiB float32
+    chunks a resume wrote (py-spy), against 4.0 s to compress them. Shards are left to zarr (it checks their inner chunks one by
     one), as are blocks that start with the fill value."""
     with_config = getattr(target, "with_config", None)  # zarr >= 3.1
     fill = target.fill_value
