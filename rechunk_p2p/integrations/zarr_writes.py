@@ -194,8 +194,9 @@ def _unchecked_if_not_empty(target: zarr.Array, block: np.ndarray) -> zarr.Array
     value first, where ``block`` (one whole chunk) cannot be all fill value: its first
     element differs from it. zarr compares every chunk it writes, element by element, to
     leave chunks of fill value unwritten: 1.4 CPU s for the 1.5 GiB of 12 MiB float32
-    chunks a resume wrote (py-spy), against 4.0 s to compress them. Shards are left to zarr (it checks their inner chunks one by
-    one), as are blocks that start with the fill value."""
+    chunks a resume wrote (py-spy), against 4.0 s to compress them. Shards are left to zarr
+    (it checks their inner chunks one by one), as are blocks that start with the fill
+    value."""
     with_config = getattr(target, "with_config", None)  # zarr >= 3.1
     fill = target.fill_value
     if with_config is None or target.shards is not None or block.dtype.kind not in "biufc":
