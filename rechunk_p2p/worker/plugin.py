@@ -96,7 +96,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
     threads (``*_blocking``):
 
     - ``runs``, ``_closed_totals``, ``_closed_run_ids``: **thread-safe (guarded by `_lock`)**;
-    - ``_fetching``, ``_background``: **loop-confined** (the worker's loop);
+    - ``_fetching``, ``_background``, ``idle`` (:class:`IdleWatch`): **loop-confined** (the
+      worker's loop);
     - ``worker``, ``dataplane``, ``offload``, ``store_io`` (the disk stores' background
       writes and parallel reads, for every run): written once in :meth:`setup`, on the
       worker's loop, before ``_ready`` is set; read-only afterwards (tasks wait for
