@@ -52,6 +52,10 @@ class SchedulerRun:
     # inputs whose every piece was queued for sending by the worker named (a continued run
     # sends only the moved outputs' pieces of them, while that worker is there)
     full_by: dict[int, str] = field(default_factory=dict)
+    # runs this one continued after a bystander left (no output moved): their transfers'
+    # results count for this run too, but for inputs it sends in full that they did not
+    # (run id -> that run's resend_all)
+    carried: dict[RunId, frozenset[int]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)  # when the run was created
 
     @property
@@ -61,6 +65,18 @@ class SchedulerRun:
     @property
     def workers(self) -> set[str]:
         return set(self.run_spec.workers) | self.participants
+
+    def takes(self, transfer: int, run_id: RunId) -> bool:
+        """Whether a result of transfer ``transfer`` (its index in ``spec.transfers``) made
+        for run ``run_id`` counts for this run: it is this run's, or a carried run's that sent
+        every piece this run's would."""
+        if run_id == self.run_spec.run_id:
+            return True
+        if run_id not in self.carried:
+            return False
+        resend_all, sent_all = self.run_spec.resend_all, self.carried[run_id]
+        inputs = self.run_spec.spec.transfers[transfer]
+        return not any(i in resend_all and i not in sent_all for i in inputs)
 
 
 class RunRecovery:
@@ -73,12 +89,13 @@ class RunRecovery:
     _run_ids: itertools.count
     _stale_rounds: itertools.count
     _computed_on: dict[Any, str]
-    _cut_before: set[Any]
+    _cut_for: dict[Any, RunId]
     restarts: int
     restarts_saved: int
     continuations: int
     outputs_kept: int
     outputs_moved: int
+    transfers_rerun: int
     _close: Callable[[ShuffleId, str], SchedulerRun]
 
     def remove_worker(
@@ -143,9 +160,17 @@ class RunRecovery:
         self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str, new: RunSpec, barrier: Any
     ) -> None:
         """Tell the run's workers that ``new`` continues the run ``worker`` left, then release
-        the barrier and the transfers (see :meth:`_continue_without`)."""
+        the barrier and the transfers (see :meth:`_continue_without`).
+
+        When no output moved (a bystander left, see :meth:`_go_on_without`), only the
+        transfers that ran on the worker or send in full in ``new`` run again: every other
+        transfer's result counts for ``new`` as it is (:meth:`SchedulerRun.takes`).
+        """
         keep, finished = self._unfinished_outputs(new)
-        moved = new.moved - run.run_spec.moved
+        old = run.run_spec
+        moved = new.moved - old.moved
+        carry = new.moved == old.moved and new.workers == old.workers  # a bystander left
+        run.carried = {**run.carried, old.run_id: old.resend_all} if carry else {}
         run.run_spec = new
         run.owners = new.owners()
         run.participants.discard(worker)
@@ -166,19 +191,21 @@ class RunRecovery:
         self.scheduler.send_all({}, msgs)  # before the releases below (same stream, in order)
         recs = {}
         for chain in map(transfer_chain, barrier.dependencies):
-            for ts in chain:
-                if ts.state == "memory":
-                    recs[ts.key] = "released"
-                elif ts.state == "processing":  # finishes with the run it was cut for
-                    self._cut_before.add(ts.key)
+            if not carry or self._reruns(chain, new, worker):
+                # (a transfer still running finishes with the run it cut for, which its
+                # metadata names: the barrier runs it again if that does not count)
+                recs.update({ts.key: "released" for ts in chain if ts.state == "memory"})
+        rerun_count = sum(1 for dt in barrier.dependencies if dt.key in recs)
         if barrier.state in ("memory", "processing"):  # (released already if it was lost)
             recs[barrier.key] = "released"
         self.continuations += 1
         self.outputs_kept += finished
         self.outputs_moved += len(moved)
+        self.transfers_rerun += rerun_count
         logger.warning(
             "Worker %s left rechunk %s: run %d continues as run %d, %d outputs moved, %d "
-            "finished outputs kept, %d of %d inputs send all their pieces again",
+            "finished outputs kept, %d of %d inputs send all their pieces again, %d finished "
+            "transfers run again",
             worker,
             shuffle_id,
             new.lineage[-1],
@@ -187,10 +214,19 @@ class RunRecovery:
             finished,
             len(new.resend_all),
             len(new.spec.inputs),
+            rerun_count,
         )
         stimulus_id = f"{STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
         self.scheduler.transitions(recs, stimulus_id=stimulus_id)
         self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+    def _reruns(self, chain: list[Any], new: RunSpec, worker: str) -> bool:
+        """Whether a transfer must run again when a bystander left: it ran on ``worker`` (its
+        queued pieces may be gone with it), or one of its inputs sends in full in ``new``."""
+        if any(self._computed_on.get(ts.key) == worker for ts in chain):
+            return True
+        inputs = new.spec.transfers[new.spec.transfer_of(chain[0].key)]
+        return any(i in new.resend_all for i in inputs)
 
     def _unfinished_outputs(self, run_spec: RunSpec) -> tuple[dict[str, list[int]], int]:
         """Per worker, its outputs (not moved) whose tasks are not finished on the scheduler
@@ -242,14 +278,18 @@ class RunRecovery:
             if run.full_by.get(i, worker) != worker:
                 continue  # every piece queued by a worker still there
             run.full_by.pop(i, None)
-            chain = chains.get(i, [])
+            chain = chains.get(i)
+            if chain is None:
+                lost.add(i)
+                continue
             where = next(
                 (self._computed_on[t.key] for t in chain if t.key in self._computed_on), None
             )
-            if any(t.key in self._cut_before for t in chain):
-                where = None  # (cut for an earlier run: maybe the moved outputs' pieces only)
+            cut_for = next((self._cut_for[t.key] for t in chain if t.key in self._cut_for), None)
+            if cut_for is None or not run.takes(spec.spec.transfer_of(chain[0].key), cut_for):
+                where = None  # (cut for a run that does not count: maybe moved pieces only)
             sent_all = not spec.lineage or i in spec.resend_all
-            if chain and chain[0].state == "memory" and where not in (None, worker) and sent_all:
+            if chain[0].state == "memory" and where not in (None, worker) and sent_all:
                 run.full_by[i] = where
             else:
                 lost.add(i)

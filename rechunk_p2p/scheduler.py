@@ -34,6 +34,7 @@ from rechunk_p2p.spec import (
     BARRIER_PREFIX,
     METADATA_KEY,
     PLUGIN_NAME,
+    RUN_METADATA,
     TRANSFER_PREFIX,
     RunId,
     RunSpec,
@@ -74,11 +75,11 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         self.continuations = 0  # runs continued after an owner left
         self.outputs_kept = 0  # finished outputs of other workers that continuations kept
         self.outputs_moved = 0  # outputs continuations moved to another worker
+        self.transfers_rerun = 0  # finished transfers continuations ran again
         # transfer key -> the worker that computed it, while its result is in memory
         self._computed_on: dict[Any, str] = {}
-        # transfer keys that were running when their run was continued: cut for the run
-        # before, whatever their result says, until they are released and run again
-        self._cut_before: set[Any] = set()
+        # transfer key -> the run it cut its inputs for (its metadata), while in memory
+        self._cut_for: dict[Any, RunId] = {}
         self.waves = TransferWaves()
         self.finished: deque[FinishedRun] = deque(maxlen=FINISHED_KEPT)  # for the dashboard
         self.errors: Counter[str] = Counter()  # transfers and barriers that erred, by type
@@ -264,14 +265,15 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         """Every input of the run was cut: make every participant flush its sends.
 
         ``run_ids`` are the transfers' results in the order of ``spec.transfers``. Transfers
-        that ran for an older run (they finished while the run was restarted) sent their pieces
-        to a run that is gone: they are run again for the current run, and the barrier with
-        them. Replies ``{"run_id": ...}``, or ``{"restarted": True}`` when the barrier must be
-        rescheduled.
+        that ran for an older run (they finished while the run was restarted or continued)
+        sent their pieces to a run that is gone, or sent fewer than the current run needs:
+        they are run again for the current run, and the barrier with them (see
+        :meth:`SchedulerRun.takes`). Replies ``{"run_id": ...}``, or ``{"restarted": True}``
+        when the barrier must be rescheduled.
         """
         run = self.active.get(shuffle_id)
         current = run.run_spec.run_id if run is not None else None
-        stale = [i for i, r in enumerate(run_ids) if r != current]
+        stale = [t for t, r in enumerate(run_ids) if run is None or not run.takes(t, r)]
         if run is None or stale:
             self._rerun_stale(shuffle_id, run, stale)
             return {"status": "OK", "restarted": True}
@@ -389,9 +391,12 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         if transfer:
             if finish == "memory" and "worker" in kwargs:
                 self._computed_on[key] = kwargs["worker"]
+                run_id = (kwargs.get("metadata") or {}).get(RUN_METADATA)
+                if run_id is not None:
+                    self._cut_for[key] = run_id
             elif finish in ("released", "erred", "forgotten"):
                 self._computed_on.pop(key, None)
-                self._cut_before.discard(key)
+                self._cut_for.pop(key, None)
             if (worker := self.waves.moved(key, start, finish)) is not None:
                 asyncio.get_running_loop().call_soon(self._refill, worker)
             return
@@ -442,5 +447,5 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self._computed_on.clear()
-        self._cut_before.clear()
+        self._cut_for.clear()
         self.waves = TransferWaves()

@@ -42,6 +42,9 @@ RunId = NewType("RunId", int)
 PLUGIN_NAME = "rechunk-p2p"
 #: Scheduler metadata key under which each worker publishes its data-plane address.
 METADATA_KEY = "rechunk-p2p-dataplane"
+#: Key of a transfer task's metadata (sent with its result's task-finished message) naming
+#: the run it cut its inputs for.
+RUN_METADATA = "rechunk-p2p-run"
 
 
 #: Longest transfer name led by the input's key group (dask cuts fused names at 115 characters)

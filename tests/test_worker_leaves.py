@@ -178,3 +178,45 @@ async def test_a_bystander_leaving_a_continued_run_with_pieces_it_never_sent(c, 
     assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 2)
     del future
     await assert_clean(s, *(w for w in workers if w.status.name == "running"))
+
+
+@gen_cluster(client=True, nthreads=ONE * 4)
+async def test_a_bystander_leaving_a_continued_run_runs_again_only_the_transfers_it_affects(
+    c, s, *workers
+):
+    """When a bystander leaves a continued run, the run continues again with no output
+    moved: only the transfers that ran on it or must send in full run again; the others'
+    results count for the new run as they are."""
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
+    x = da.map_blocks(_slow_rows, chunks=((1,) * 60, (60,)), dtype="f8")
+    future = c.compute(rechunk_p2p.rechunk(x, (60, 30)))  # 2 owners, 2 bystanders
+    run = await _run_once_active(s)
+    plugin = s.plugins[PLUGIN]
+    by_address = {w.address: w for w in workers}
+    bystanders = sorted(set(run.run_spec.workers) - run.owners)
+    gates = {b: _hold_sends(by_address[b]) for b in bystanders}
+    while not set(bystanders) <= set(plugin._computed_on.values()):
+        await asyncio.sleep(0.005)
+    await by_address[sorted(run.owners)[0]].close()  # run 2 continues run 1
+    barrier = s.tasks[f"rechunk_p2p-barrier-{run.run_spec.shuffle_id}"]
+    transfers = [dt.key for dt in barrier.dependencies]
+    while run.run_spec.run_id == 1 or any(s.tasks[k].state != "memory" for k in transfers):
+        await asyncio.sleep(0.005)  # every transfer ran for run 2; the barrier waits
+    (leaver,) = [b for b in bystanders if b not in run.owners]
+    ran_there = sum(1 for k in transfers if plugin._computed_on.get(k) == leaver)
+    computed = sum(_computed(s, k) for k in transfers)
+    moved = run.run_spec.moved
+    for b in bystanders:
+        if b != leaver:
+            gates[b].set()
+    await by_address[leaver].close()  # run 3 continues run 2, no output moved
+    assert run.run_spec.run_id == 3 and run.run_spec.moved == moved
+    resent = len(run.run_spec.resend_all)
+    check_result(await asyncio.wait_for(future, 60), arr)
+    again = sum(_computed(s, k) for k in transfers) - computed
+    assert 0 < again <= ran_there + resent < len(transfers), (again, ran_there, resent)
+    assert plugin.transfers_rerun - len(transfers) <= again  # (run 2 reran every one)
+    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 2)
+    del future
+    await assert_clean(s, *(w for w in workers if w.status.name == "running"))

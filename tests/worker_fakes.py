@@ -165,6 +165,8 @@ def fake_worker(
         scheduler=scheduler,
         local_directory=local_directory,
         memory_manager=SimpleNamespace(memory_limit=None),
+        state=SimpleNamespace(tasks={}),  # (no task runs through distributed here)
+        get_current_task=lambda: None,
     )
     plugin.offload = OffloadPool(2, name=f"seam-offload-{address}")
     plugin.dataplane = FakeDataPlane(address, network)  # type: ignore[assignment]

@@ -32,6 +32,7 @@ from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import (
     METADATA_KEY,
     PLUGIN_NAME,
+    RUN_METADATA,
     RunId,
     RunSpec,
     ShuffleId,
@@ -352,7 +353,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def transfer_blocking(self, shuffle_id: ShuffleId, flat: int, data: Any) -> int:
         """From a transfer task: cut input ``flat`` into pieces and send them; its run id."""
-        return self.get_run_blocking(shuffle_id).add_input_blocking(flat, data)
+        return self._noted(self.get_run_blocking(shuffle_id).add_input_blocking(flat, data))
 
     def transfer_group_blocking(
         self, shuffle_id: ShuffleId, flats: tuple[int, ...], chunks: tuple[Any, ...]
@@ -360,7 +361,17 @@ class RechunkWorkerPlugin(WorkerPlugin):
         """From a transfer task of several held inputs: cut each in turn; the oldest run id
         any of them was cut for (the barrier runs the task again if that run was replaced)."""
         run = self.get_run_blocking(shuffle_id)
-        return min(run.add_input_blocking(flat, data) for flat, data in zip(flats, chunks))
+        return self._noted(
+            min(run.add_input_blocking(flat, data) for flat, data in zip(flats, chunks))
+        )
+
+    def _noted(self, run_id: RunId) -> RunId:
+        """``run_id``, also put in the running task's metadata: the scheduler learns with the
+        result which run a transfer cut for (when a run was continued while it ran)."""
+        ts = self.worker.state.tasks.get(self.worker.get_current_task())
+        if ts is not None:  # (read from the task thread: the task stays while it runs)
+            ts.metadata[RUN_METADATA] = run_id
+        return run_id
 
     def barrier_blocking(self, shuffle_id: ShuffleId, run_ids: tuple[RunId, ...]) -> int:
         """From the barrier task: make every worker flush its sends; the run id.
