@@ -3,7 +3,10 @@ chunks are written, then resumed, against the same rechunk run whole.
 
 Run: ``PYTHONPATH=. .venv/bin/python -m integration.bench_resume --size 1GiB --repeat 2``.
 Each run is the command line on a fresh local cluster (``--workers``, 1 thread each); the
-source is maps of float32 (one time step a chunk) rechunked to time series. Prints per
+source is maps of float32 (one time step a chunk, or ``--source-chunks``) rechunked to time
+series of 32 x 32 tiles. With whole maps every missing output reads every source chunk, so a
+resume decodes the whole source again; with tiles (``--source-chunks 8,128,128``) it reads
+only those that feed the missing outputs. Prints per
 repeat the full run's time, the share of chunks written when the kill came, the resumed
 run's time and their ratio, and the medians.
 """
@@ -30,14 +33,14 @@ from rechunk_p2p.integrations.zarr_writes import DONE
 SIDE = 512
 
 
-def make_source(path: Path, nbytes: int) -> int:
-    """Maps of (steps, 512, 512) float32, one step a chunk; returns the step count."""
+def make_source(path: Path, nbytes: int, chunks: tuple[int, int, int] = (1, SIDE, SIDE)) -> int:
+    """Maps of (steps, 512, 512) float32 in ``chunks``; returns the step count."""
     steps = max(8, nbytes // (SIDE * SIDE * 4))
     g = zarr.open_group(path, mode="w", zarr_format=3)
     a = g.create_array(
         "t2m",
         shape=(steps, SIDE, SIDE),
-        chunks=(1, SIDE, SIDE),
+        chunks=chunks,
         dtype="f4",
         dimension_names=("time", "lat", "lon"),
     )
@@ -93,14 +96,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--share", type=float, default=0.5, help="chunks written when killed")
+    p.add_argument(
+        "--source-chunks", default=f"1,{SIDE},{SIDE}", help="time,lat,lon (default: maps)"
+    )
     args = p.parse_args(argv)
+    chunks = tuple(int(n) for n in args.source_chunks.split(","))
+    if len(chunks) != 3 or min(chunks) < 1:
+        p.error(f"--source-chunks wants three positive sizes, got {args.source_chunks!r}")
     work = Path(tempfile.mkdtemp(prefix="bench-resume-"))
     try:
         src = work / "src.zarr"
-        steps = make_source(src, int(parse_bytes(args.size)))
+        steps = make_source(src, int(parse_bytes(args.size)), chunks)
         total = (SIDE // 32) ** 2
         print(f"source: {steps} maps of {SIDE}x{SIDE} float32 = "
-              f"{format_bytes(steps * SIDE * SIDE * 4)}; {total} target chunks")  # fmt: skip
+              f"{format_bytes(steps * SIDE * SIDE * 4)} in chunks {chunks}; "
+              f"{total} target chunks")  # fmt: skip
         ratios = []
         for k in range(args.repeat):
             full = work / f"full{k}.zarr"
