@@ -43,7 +43,12 @@ from rechunk_p2p.spec import (
     barrier_key,
     id_from_key,
 )
-from rechunk_p2p.waves import TransferWaves, assign_round_robin, root_transfer
+from rechunk_p2p.waves import (
+    TransferWaves,
+    assign_round_robin,
+    holder_of_inputs,
+    root_transfer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +143,20 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         (:meth:`ProcessTuning.freeze_early`), ahead of the graph's first task message on the
         same stream: the tasks before the rechunk's own (a reduction of the input, say) come
         in thousands, and their allocations set off full collections of the whole heap.
+
+        A transfer task whose input is held already, at least in part (a persisted chunk,
+        or one a derived input reads), is restricted loosely to the worker that holds most
+        of it (:func:`holder_of_inputs`), so that distributed does not move it there.
         """
         if tasks and any(isinstance(k, str) and k.startswith(BARRIER_PREFIX) for k in tasks):
             msg = {"op": "rechunk_p2p_expect"}
             workers = [ws.address for ws in scheduler.running]
             scheduler.send_all({}, {w: [msg] for w in workers if w in scheduler.stream_comms})
+        if tasks:  # transfers of inputs held already run where the inputs are
+            local = {k: {w} for k in tasks if (w := holder_of_inputs(scheduler, k)) is not None}
+            for key in local:
+                scheduler.tasks[key].loose_restrictions = True
+            scheduler.set_restrictions(local)
         limit = SchedulerSettings.read().assign_transfers
         if limit <= 0 or not tasks:
             return

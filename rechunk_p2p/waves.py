@@ -6,7 +6,8 @@ Where it runs: the scheduler's event loop (state of :class:`RechunkSchedulerPlug
 A transfer task whose input is made inside it has no dependencies, so distributed queues it
 as a root task and gives a worker the next one only after one finished. The scheduler plugin
 restricts the first ones to the workers in turn and hands the rest out in waves
-(:class:`TransferWaves`) as the workers finish theirs.
+(:class:`TransferWaves`) as the workers finish theirs. A transfer whose input is held
+already goes to the worker that holds it (:func:`holder_of_inputs`).
 """
 
 from __future__ import annotations
@@ -124,6 +125,40 @@ def root_transfer(scheduler: Any, key: Any) -> Any:
     ):
         return None
     return ts
+
+
+def holder_of_inputs(scheduler: Any, key: Any) -> str | None:
+    """For a new transfer task whose inputs are held already (a persisted chunk, or one an
+    earlier computation left in memory), at least in part: the running worker that holds
+    most bytes of its dependencies in memory. ``None`` for any other task, or where it
+    has restrictions of its own.
+
+    distributed places a task it has no duration for yet as half a second of work, so
+    when a derived input's transfers become ready together it spreads them over the
+    workers by count and moves their held inputs (through the workers' event loops) to
+    where they land.
+    """
+    if TRANSFER_PREFIX not in key_name(key):
+        return None
+    ts = scheduler.tasks.get(key)
+    if (
+        ts is None
+        or ts.state != "released"
+        or not ts.dependencies
+        or ts.worker_restrictions
+        or ts.host_restrictions
+        or ts.resource_restrictions
+    ):
+        return None
+    held: Counter[Any] = Counter()
+    for dts in ts.dependencies:
+        if dts.state == "memory":
+            for ws in dts.who_has:
+                held[ws] += dts.get_nbytes()
+    if not held:
+        return None
+    ws, _ = held.most_common(1)[0]
+    return ws.address if ws in scheduler.running else None
 
 
 def assign_round_robin(

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import dask.array as da
 import numpy as np
-from distributed import SchedulerPlugin
+from distributed import SchedulerPlugin, wait
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
@@ -175,3 +175,24 @@ def test_only_new_unrestricted_transfers_without_dependencies_are_assigned():
         scheduler = SimpleNamespace(tasks={k: ts})
         assert (root_transfer(scheduler, k) is ts) is assigned, case
     assert root_transfer(SimpleNamespace(tasks={}), key) is None
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_transfers_of_a_derived_input_run_where_its_held_chunks_are(c, s, a, b):
+    """``x - m + m`` of a persisted ``x``: distributed counts a transfer it has no duration
+    for as half a second of work and would spread them over the workers by count, moving
+    held chunks through the workers' loops; each runs where its chunk is instead."""
+    await rechunk_p2p.register(c)
+    log = TransferLog(s)
+    s.add_plugin(log, name="transfer-log")
+    arr = np.arange(64 * 64, dtype="f8").reshape(64, 64)
+    x = c.persist(da.from_array(arr, chunks=(4, 64), name="held-source"))
+    await wait(x)
+    holders = {k: set(ws) for k, ws in (await c.who_has(x)).items()}
+    assert {w for ws in holders.values() for w in ws} == {a.address, b.address}
+    m = x.min(axis=0, keepdims=True)
+    y = rechunk_p2p.rechunk(x - m + m, (64, 4))
+    np.testing.assert_array_equal(await c.compute(y), arr)
+    assert len(log.seen) == 16  # a transfer a chunk
+    for key, (_, restricted, loose, where) in log.seen.items():
+        assert holders[("held-source", *key[1:])] == restricted == {where} and loose
