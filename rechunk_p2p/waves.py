@@ -108,9 +108,9 @@ class TransferWaves:
         self._due.discard(worker)
 
 
-def root_transfer(scheduler: Any, key: Any) -> Any:
-    """The task of ``key`` if it is a new transfer with no dependencies and no restrictions
-    (its input made inside it); else ``None``."""
+def _new_transfer(scheduler: Any, key: Any) -> Any:
+    """The task of ``key`` if it is a transfer not yet run and without restrictions of its
+    own; else ``None``."""
     if TRANSFER_PREFIX not in key_name(key):
         return None
     ts = scheduler.tasks.get(key)
@@ -118,13 +118,19 @@ def root_transfer(scheduler: Any, key: Any) -> Any:
         ts is None
         or ts.state != "released"
         or ts.run_spec is None
-        or ts.dependencies
         or ts.worker_restrictions
         or ts.host_restrictions
         or ts.resource_restrictions
     ):
         return None
     return ts
+
+
+def root_transfer(scheduler: Any, key: Any) -> Any:
+    """The task of ``key`` if it is a new transfer with no dependencies and no restrictions
+    (its input made inside it); else ``None``."""
+    ts = _new_transfer(scheduler, key)
+    return None if ts is None or ts.dependencies else ts
 
 
 def holder_of_inputs(scheduler: Any, key: Any) -> str | None:
@@ -138,17 +144,8 @@ def holder_of_inputs(scheduler: Any, key: Any) -> str | None:
     workers by count and moves their held inputs (through the workers' event loops) to
     where they land.
     """
-    if TRANSFER_PREFIX not in key_name(key):
-        return None
-    ts = scheduler.tasks.get(key)
-    if (
-        ts is None
-        or ts.state != "released"
-        or not ts.dependencies
-        or ts.worker_restrictions
-        or ts.host_restrictions
-        or ts.resource_restrictions
-    ):
+    ts = _new_transfer(scheduler, key)
+    if ts is None or not ts.dependencies:
         return None
     held: Counter[Any] = Counter()
     for dts in ts.dependencies:
