@@ -3,7 +3,7 @@
 Where it runs: client (the main thread of this process).
 """
 
-from rechunk_p2p.cli import main
+from rechunk_p2p.cli import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

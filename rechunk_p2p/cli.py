@@ -14,8 +14,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
@@ -55,6 +57,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RechunkP2PError, OSError) as e:
         _fail(_with_note(str(e) or type(e).__name__, e))
         return EXIT_FAILED
+
+
+def entry() -> NoReturn:
+    """The ``rechunk-p2p`` program: :func:`main`, then exit without tearing the interpreter
+    down. Once the exit handlers ran (distributed's, zarr's, logging's) and the output is
+    flushed, nothing of the process is left to keep; freeing every object of dask, pandas,
+    xarray and bokeh one by one took 0.45 s of a 5 s command."""
+    status = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def parse_args(argv: list[str]) -> tuple[Any, argparse.Namespace]:
@@ -170,6 +185,12 @@ def _run_parser() -> argparse.ArgumentParser:
         "chunks it completed are kept",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve the local cluster's dashboard and print the address of its rechunk page "
+        "(with --scheduler: print that cluster's)",
+    )
     _add_cluster(p, scheduler=True)
     p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     return p
@@ -289,7 +310,9 @@ def run_command(args: argparse.Namespace) -> int:
         "storage_options": args.storage_options,
     }
     check_zarr_rechunk(args.source, args.target, args.chunks, **options)  # before any cluster
-    with cluster(args):
+    with cluster(args) as client:
+        if args.dashboard:
+            _print_dashboard(client)
         report = rechunk_zarr(
             args.source, args.target, args.chunks, progress=not args.no_progress, **options
         )
@@ -381,7 +404,8 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
             n_workers=args.workers,
             threads_per_worker=args.threads_per_worker,
             memory_limit=args.memory_limit,
-            dashboard_address=":0",
+            # bokeh's import alone takes 0.4 s of a command's start: only where it is shown
+            dashboard_address=":0" if getattr(args, "dashboard", True) else None,
             silence_logs=logging.ERROR,
         )
     with local, distributed.Client(local) as client:

@@ -118,11 +118,13 @@ def test_rechunk_command(tmp_path):
         "1",
         "--memory-limit",
         "1GiB",
+        "--dashboard",
         cwd=tmp_path,
     )
 
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
+    assert re.match(r"watch it at http://[^ ]+:\d+/rechunk-p2p\n", result.stdout)
     for words in ("rechunked", "bytes:", "time:", "throughput:", "spilled to disk:", "p99"):
         assert words in result.stdout, words
     target = arrays_of(tmp_path / "tgt.zarr")

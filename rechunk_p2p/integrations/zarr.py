@@ -47,6 +47,7 @@ from rechunk_p2p.integrations.zarr_writes import (
     lazy_run,
     missing_keys,
     read_run_record,
+    remove_torn_writes,
     root_store,
     run_record_of,
     write_arrays,
@@ -284,6 +285,7 @@ class ZarrRechunk:
             if client is not None:  # a lost client's writes may still be running there
                 wait_for_writers(client)
             targets = open_target(job)
+            remove_torn_writes(job.dest.location)
             done = done_chunks(store, len(job.layouts))
         else:
             job.dest.clear()

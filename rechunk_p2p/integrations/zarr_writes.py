@@ -14,8 +14,10 @@ none). zarr ignores the directory (it holds no zarr metadata).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -157,9 +159,34 @@ def done_chunks(store: zarr.abc.store.Store, n_arrays: int) -> list[set[tuple[in
     done: list[set[tuple[int, ...]]] = [set() for _ in range(n_arrays)]
     for key in sync(keys()):
         array, _, chunk = key[len(DONE) + 1 :].partition("/")
+        index = chunk.split(".")
+        if chunk == "_":
+            index = []
+        elif not all(i.isdigit() for i in index):
+            continue  # not a record: a store's temporary file, left by a kill mid-write
         if array.isdigit() and int(array) < n_arrays:
-            done[int(array)].add(tuple(int(i) for i in chunk.split(".") if i != "_"))
+            done[int(array)].add(tuple(int(i) for i in index))
     return done
+
+
+#: zarr's LocalStore writes a key to ``<key minus suffix>.<uuid4 hex>.partial`` first, then
+#: renames it; a kill in between leaves that file.
+_TORN = re.compile(r"\.[0-9a-f]{32}\.partial$")
+
+
+def remove_torn_writes(location: Any) -> int:
+    """In a local target, remove the temporary files of writes a kill cut short (zarr never
+    reads them; left, they would stay in the finished target). Returns how many."""
+    if not isinstance(location, str | os.PathLike):
+        return 0  # object stores write a key whole or not at all
+    removed = 0
+    for folder, _, files in os.walk(location):
+        for name in files:
+            if _TORN.search(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, name))
+                    removed += 1
+    return removed
 
 
 @dataclass(frozen=True)

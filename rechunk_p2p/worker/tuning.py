@@ -137,16 +137,18 @@ class ProcessTuning:
         with self._lock:
             return self._frozen and not self._users
 
-    def unfreeze_unused(self) -> bool:
-        """When no run holds the settings: unfreeze, and collect what the runs left (a full
-        collection, which stops every thread of the process). Returns whether it did."""
+    def unfreeze_unused(self, collect: bool = True) -> bool:
+        """When no run holds the settings: unfreeze, and if ``collect``, collect what the
+        runs left (a full collection, which stops every thread of the process; else the
+        interpreter's next one does). Returns whether it unfroze."""
         with self._lock:
             if self._users or not self._frozen:
                 return False
             gc.unfreeze()
             self._frozen = False
             self.survivors_frozen = 0
-        gc.collect()
+        if collect:
+            gc.collect()
         return True
 
 

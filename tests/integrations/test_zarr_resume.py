@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import dask.array as da
@@ -73,6 +74,29 @@ def test_resume_rewrites_exactly_the_chunks_without_a_record(p2p_client, tmp_pat
     assert not (target / ".rechunk-p2p").exists()
     group = zarr.open_group(target, mode="r")
     assert group.metadata.consolidated_metadata is not None
+
+
+def test_resume_ignores_and_removes_the_temporary_files_of_writes_a_kill_cut_short(
+    p2p_client, tmp_path, monkeypatch
+):
+    """zarr's local store writes a key to a temporary file, then renames it: a kill in between
+    leaves ``<name>.<uuid hex>.partial``, beside a chunk or among the completion records."""
+    src, target = tmp_path / "src.zarr", tmp_path / "out.zarr"
+    make_climate_group(src, 3)
+    (torn,) = interrupted_copy(src, target, monkeypatch, lose=1)
+    stray = [
+        torn.with_suffix(f".{uuid.uuid4().hex}.partial"),
+        records(target)[0].with_suffix(f".{uuid.uuid4().hex}.partial"),
+    ]
+    for path in stray:
+        path.write_bytes(b"\x00" * 5)
+
+    report = rechunk_zarr(src, target, CHUNKS, resume=True, progress=False)
+
+    assert report.chunks_written == 1
+    assert_same_values(arrays_of(src)["temperature"], arrays_of(target)["temperature"])
+    assert not any(p.exists() for p in stray)
+    assert not [p for p in target.rglob("*") if p.name.endswith(".partial")]
 
 
 def test_resume_refuses_a_different_run_and_a_finished_target(p2p_client, tmp_path, monkeypatch):
