@@ -64,24 +64,28 @@ def rechunk_array(
     the_plan = _make_plan(
         x, new, block_size_limit, settings, n_workers=1, joinable=sources is not None, held=held
     )
-    ensure_registered()
     token = tokenize(x, new, storage, the_plan)  # the plan: settings that shape the graph
     logger.debug("rechunk_p2p: %s -> %s runs on the P2P engine (token %s)", x.name, new, token)
     if _is_expression(x):  # dask's array query planning
         from rechunk_p2p.integrations.array_expr import p2p_rechunk_expr
 
-        return p2p_rechunk_expr(x, the_plan, token, storage, new, unknown)
-    return build_rechunk(
-        x,
-        the_plan,
-        token,
-        storage,
-        new_chunks=new,
-        unknown_axes=unknown,
-        sources=sources,
-        held=held,
-        group_bytes=settings.transfer_group_bytes,
-    )
+        result = p2p_rechunk_expr(x, the_plan, token, storage, new, unknown)
+    else:
+        result = build_rechunk(
+            x,
+            the_plan,
+            token,
+            storage,
+            new_chunks=new,
+            unknown_axes=unknown,
+            sources=sources,
+            held=held,
+            group_bytes=settings.transfer_group_bytes,
+        )
+    # last: a registration still under way (register_in_background) had the graph's
+    # construction to finish in
+    ensure_registered()
+    return result
 
 
 def plan_array(

@@ -383,6 +383,8 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
     """
     import distributed
 
+    from rechunk_p2p.cluster import register_in_background
+
     address = getattr(args, "scheduler", None)
     if address:
         from rechunk_p2p.integrations.local_client import connection_refused
@@ -395,6 +397,7 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
         except (OSError, ValueError, TypeError) as e:
             raise ClusterError(f"cannot reach the scheduler at {address!r}: {e}") from None
         with client:
+            register_in_background(client)
             yield client
         return
     from rechunk_p2p.integrations.local_client import workers_ignore_interrupts
@@ -409,6 +412,7 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
             silence_logs=logging.ERROR,
         )
     with local, distributed.Client(local) as client:
+        register_in_background(client)  # the workers set up the engine while we go on
         try:
             yield client
         finally:

@@ -6,6 +6,8 @@ function on each worker through ``client.run``.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 from rechunk_p2p.errors import ClusterError
@@ -40,6 +42,7 @@ def ensure_registered() -> None:
 
 
 _registered: set[str] = set()
+_registering = threading.Lock()  # one registration at a time: a second caller waits for it
 
 
 def register(client: Any) -> Any:
@@ -56,16 +59,35 @@ def register(client: Any) -> Any:
     from rechunk_p2p.scheduler import RechunkSchedulerPlugin
 
     key = f"{client.id}@{client.scheduler.address}"
-    if key in _registered and not client.asynchronous:
-        return None
+    if client.asynchronous:
+        return _register_plugin(client, RechunkSchedulerPlugin())
+    with _registering:
+        if key not in _registered:
+            _register_plugin(client, RechunkSchedulerPlugin())
+            _registered.add(key)
+    return None
+
+
+def _register_plugin(client: Any, plugin: Any) -> Any:
     try:
-        result = client.register_plugin(RechunkSchedulerPlugin())
+        return client.register_plugin(plugin)
     except OSError as e:
         raise ClusterError(f"Cannot reach the scheduler at {client.scheduler.address}: {e}") from e
-    if client.asynchronous:
-        return result
-    _registered.add(key)
-    return None
+
+
+def register_in_background(client: Any) -> threading.Thread:
+    """Start registering on ``client``'s (synchronous) cluster in a thread, for a caller that
+    has other work before its first rechunk: the workers set up the engine (importing it and
+    zarr, 0.4 s a worker at a command's start) while the caller goes on. A failure is left
+    for the next :func:`register` call to raise."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            register(client)
+
+    thread = threading.Thread(target=run, name="rechunk_p2p-register", daemon=True)
+    thread.start()
+    return thread
 
 
 STATISTICS = ("runs", "bytes_sent", "bytes_received", "bytes_spilled", "messages_sent")

@@ -46,6 +46,11 @@ def install(scheduler: Any) -> bool:
     application = getattr(scheduler, "http_application", None)
     if application is None or getattr(scheduler, "_rechunk_p2p_page", False):
         return bool(getattr(scheduler, "_rechunk_p2p_page", False))
+    if not getattr(application, "applications", None):
+        # no dashboard (``dashboard=False``, ``dashboard_address=None``): its other routes
+        # (/metrics, /health) are served anyway; bokeh's import would take the scheduler's
+        # loop for 0.4 s and add nothing anyone can see
+        return False
     try:
         from distributed.dashboard.core import BokehApplication
         from distributed.dashboard.scheduler import template_variables

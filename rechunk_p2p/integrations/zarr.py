@@ -9,6 +9,7 @@ the worker that assembled it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Mapping
@@ -31,7 +32,7 @@ from rechunk_p2p.integrations.zarr_input import (
     resolve_layouts,
 )
 from rechunk_p2p.integrations.zarr_report import ZarrRechunkReport, lag_of, lag_probe
-from rechunk_p2p.integrations.zarr_run import run_writes, wait_for_writers
+from rechunk_p2p.integrations.zarr_run import optimized_writes, run_writes, wait_for_writers
 from rechunk_p2p.integrations.zarr_target import (
     create_target,
     describe,
@@ -310,12 +311,15 @@ class ZarrRechunk:
         """
         self._claim()
         job = self._job
-        with client_for(self._client) as client, lag_probe(client) as probe:
-            before = cluster_statistics(client)
+        with client_for(self._client) as client, contextlib.ExitStack() as probing:
             start = time.perf_counter()
             try:
+                # the graph first, then the workers are asked: a command's workers may still
+                # be setting up the engine (cluster.register_in_background) meanwhile
                 written, done = self._prepare(client)
-                graph, keys = missing_keys(written, done)
+                graph, keys = optimized_writes(*missing_keys(written, done))
+                probe = probing.enter_context(lag_probe(client))
+                before = cluster_statistics(client)
                 run_writes(
                     client, graph, keys, progress=self._progress, on_task_error=job.dest.remove
                 )

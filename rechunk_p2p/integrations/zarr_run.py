@@ -33,6 +33,15 @@ logger = logging.getLogger(__name__)
 WRITES_END_SECONDS = 120.0
 
 
+def optimized_writes(graph: Any, keys: list[Any]) -> tuple[HighLevelGraph, list[Any]]:
+    """The write tasks ``keys`` of ``graph``, culled and optimized as dask would, as one
+    layer of a unique name: distributed names a plain graph by tokenizing every task (each
+    carries the zarr target: 0.27 s for 256 chunks), a layered one by its layers' names."""
+    optimized = da.Array.__dask_optimize__(graph, keys) if keys else {}
+    layer = f"{WRITE_PREFIX}-run-{uuid.uuid4().hex}"
+    return HighLevelGraph({layer: dict(optimized)}, {layer: set()}), keys
+
+
 def run_writes(
     client: distributed.Client,
     graph: Any,
@@ -49,13 +58,7 @@ def run_writes(
     """
     if not keys:
         return
-    optimized = da.Array.__dask_optimize__(graph, keys)
-    # as one layer of a unique name: distributed names a plain graph by tokenizing every
-    # task (each carries the zarr target: 0.27 s for 256 chunks), a layered one by its
-    # layers' names
-    layer = f"{WRITE_PREFIX}-run-{uuid.uuid4().hex}"
-    dsk = HighLevelGraph({layer: dict(optimized)}, {layer: set()})
-    futures = client.get(dsk, keys, sync=False)
+    futures = client.get(graph, keys, sync=False)
     try:
         _wait(futures, progress)
     except BaseException:

@@ -65,6 +65,18 @@ async def test_the_page_is_served_and_linked_from_the_menu(c, s, a, b):
     assert 'href="rechunk-p2p"' in status  # in the "More..." menu, as distributed's pages
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], scheduler_kwargs={"dashboard": False})
+async def test_a_scheduler_without_a_dashboard_gets_no_page(c, s, a):
+    """Its http server still serves /metrics and /health; the page would only cost bokeh's
+    import on the scheduler's loop."""
+    from rechunk_p2p.diagnostics.dashboard import install
+
+    await c.compute(rechunk_p2p.rechunk(da.ones((8, 8), chunks=(1, 8)), (8, 1)).sum())
+    assert s.http_application is not None
+    assert not install(s)
+    assert not getattr(s, "_rechunk_p2p_page", False)
+
+
 def _fetch(url: str) -> tuple[str, str]:
     page = urllib.request.urlopen(f"{url}/rechunk-p2p", timeout=30).read().decode()
     status = urllib.request.urlopen(f"{url}/status", timeout=30).read().decode()
