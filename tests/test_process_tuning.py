@@ -355,3 +355,27 @@ async def test_a_worker_expecting_a_rechunk_keeps_its_objects_frozen_until_the_g
     plugin.idle.expect()  # a graph that never sends this worker a task
     assert gc.get_freeze_count() > frozen_before
     await _unfrozen(frozen_before)
+
+
+def test_a_worker_whose_process_exits_freezes_its_heap_for_the_exit():
+    """Python's exit collects the whole heap; frozen objects are left out of it. Only where
+    the process ends with the worker: a closing worker under a nanny."""
+    import gc
+    from types import SimpleNamespace
+
+    from distributed.core import Status
+
+    from rechunk_p2p.worker.plugin import process_exits
+    from rechunk_p2p.worker.tuning import PROCESS_TUNING
+
+    nanny = "tcp://127.0.0.1:1"
+    assert process_exits(SimpleNamespace(status=Status.closing, nanny=nanny))
+    assert not process_exits(SimpleNamespace(status=Status.closing, nanny=None))
+    assert not process_exits(SimpleNamespace(status=Status.running, nanny=nanny))
+    before = gc.get_freeze_count()
+    PROCESS_TUNING.freeze_for_exit()
+    try:
+        assert gc.get_freeze_count() > before
+    finally:
+        assert PROCESS_TUNING.unfreeze_unused(collect=False)
+    assert gc.get_freeze_count() <= before

@@ -168,9 +168,10 @@ class RechunkWorkerPlugin(WorkerPlugin):
             runs = list(self.runs.values())
         await asyncio.gather(*(self._close_run(run) for run in runs), return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
-        # no idle wait for a worker that closes, and no full collection on its way out
-        # (0.1-0.2 s of each worker's close at the end of a command)
-        _tuning.unfreeze_unused(collect=False)
+        if process_exits(worker):
+            _tuning.freeze_for_exit()
+        else:  # no idle wait for a worker that closes, and no full collection on its way
+            _tuning.unfreeze_unused(collect=False)  # out (0.1-0.2 s of its close)
         worker.handlers.pop("rechunk_p2p_worker_barrier", None)
         worker.stream_handlers.pop("rechunk_p2p_close", None)
         worker.stream_handlers.pop("rechunk_p2p_continue", None)
@@ -476,3 +477,11 @@ def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:
             "rechunk_p2p.register(client) (rechunk_p2p.rechunk does so when a client "
             "exists), or start the scheduler with --preload rechunk_p2p."
         ) from None
+
+
+def process_exits(worker: Any) -> bool:
+    """Whether ``worker``'s process ends with it: it is closing (not just dropping the
+    plugin) and runs under a nanny, whose worker process exits once its worker closed."""
+    status = getattr(worker, "status", None)
+    closing = getattr(status, "name", "") in ("closing", "closed", "failed")
+    return closing and getattr(worker, "nanny", None) is not None

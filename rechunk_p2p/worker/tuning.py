@@ -137,6 +137,14 @@ class ProcessTuning:
         with self._lock:
             return self._frozen and not self._users
 
+    def freeze_for_exit(self) -> None:
+        """The process is about to exit: freeze every object. Python's exit collects the
+        whole heap once (0.25-0.4 s for a worker that imported dask, pandas, xarray and
+        zarr, paid in every worker's close); frozen objects are left out of it (0.04 s)."""
+        with self._lock:
+            gc.freeze()
+            self._frozen = True
+
     def unfreeze_unused(self, collect: bool = True) -> bool:
         """When no run holds the settings: unfreeze, and if ``collect``, collect what the
         runs left (a full collection, which stops every thread of the process; else the
