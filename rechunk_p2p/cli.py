@@ -32,6 +32,8 @@ from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkP2PError
 PROG = "rechunk-p2p"
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+#: How long closing waits for a registration still under way (the workers' set-up).
+_REGISTER_SECONDS = 30.0
 _NAME = re.compile(r"^[^\s=,]+$")
 _INT = re.compile(r"^-?\d+$")
 
@@ -397,8 +399,11 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
         except (OSError, ValueError, TypeError) as e:
             raise ClusterError(f"cannot reach the scheduler at {address!r}: {e}") from None
         with client:
-            register_in_background(client)
-            yield client
+            registering = register_in_background(client)
+            try:
+                yield client
+            finally:
+                registering.join(_REGISTER_SECONDS)
         return
     from rechunk_p2p.integrations.local_client import workers_ignore_interrupts
 
@@ -412,10 +417,13 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
             silence_logs=logging.ERROR,
         )
     with local, distributed.Client(local) as client:
-        register_in_background(client)  # the workers set up the engine while we go on
+        registering = register_in_background(client)  # the workers set up the engine meanwhile
         try:
             yield client
         finally:
+            # a stop during the set-up (Ctrl-C at once) must not close the workers under the
+            # scheduler's broadcast of the plugin: it would log its failure to each of them
+            registering.join(_REGISTER_SECONDS)
             with contextlib.suppress(Exception):
                 client.run(_quiet_shutdown)
 

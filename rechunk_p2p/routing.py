@@ -8,6 +8,7 @@ re-exported by the ``dask.array`` package).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -89,7 +90,7 @@ def install() -> None:
     with _lock:
         if _swapped:
             return
-        package = sys.modules["dask.array"]
+        package = importlib.import_module("dask.array")  # (not imported by this package)
         for module in _targets():
             original = module.rechunk
             router = _router(original)

@@ -22,7 +22,6 @@ INTERNAL = {
     ("store/direct.py", "OSError"): "short or refused unbuffered I/O; the disk store wraps "
     "it in RechunkStorageError",
     ("__init__.py", "AttributeError"): "a module __getattr__ must raise it",
-    ("__main__.py", "SystemExit"): "the command line's exit status",
     ("cli.py", "KeyboardInterrupt"): "SIGTERM stops the command line as Ctrl-C does; its main "
     "catches it",
     ("planning/partials.py", "IndexError"): "an index outside a chunk grid, as sequences do; "

@@ -41,6 +41,7 @@ from rechunk_p2p.store.disk import STORE_IO_THREADS
 from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.idle import IdleWatch
+from rechunk_p2p.worker.imports import import_task_modules_blocking
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
@@ -147,6 +148,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             ports=settings.ports,
         )
         address = await self.offload.to_thread(self.dataplane.start_blocking)
+        await self.offload.to_thread(import_task_modules_blocking)  # not on the loop
         worker.handlers["rechunk_p2p_worker_barrier"] = self._worker_barrier
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         worker.stream_handlers["rechunk_p2p_continue"] = self._continue_handler
