@@ -22,7 +22,8 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from dask.utils import format_bytes, parse_bytes
@@ -300,8 +301,6 @@ def _version() -> str:
 
 def run_command(args: argparse.Namespace) -> int:
     """``rechunk-p2p SOURCE TARGET``: rechunk, then print a summary."""
-    from rechunk_p2p.integrations.zarr import check_zarr_rechunk, rechunk_zarr
-
     options = {
         "shards": args.shards,
         "zarr_format": args.zarr_format,
@@ -311,8 +310,15 @@ def run_command(args: argparse.Namespace) -> int:
         "coordinates": args.include_coords,
         "storage_options": args.storage_options,
     }
-    check_zarr_rechunk(args.source, args.target, args.chunks, **options)  # before any cluster
-    with cluster(args) as client:
+
+    def check() -> None:  # before any data moves; a local cluster starts meanwhile
+        from rechunk_p2p.integrations.zarr import check_zarr_rechunk
+
+        check_zarr_rechunk(args.source, args.target, args.chunks, **options)
+
+    with cluster(args, meanwhile=check) as client:
+        from rechunk_p2p.integrations.zarr import rechunk_zarr
+
         if args.dashboard:
             _print_dashboard(client)
         report = rechunk_zarr(
@@ -375,8 +381,13 @@ _COMMANDS = {"run": run_command, "plan": plan_command, "demo": demo_command}
 
 
 @contextlib.contextmanager
-def cluster(args: argparse.Namespace) -> Iterator[Any]:
-    """A client for ``--scheduler``, else for a LocalCluster shaped by the options.
+def cluster(
+    args: argparse.Namespace, meanwhile: Callable[[], None] = lambda: None
+) -> Iterator[Any]:
+    """A client for ``--scheduler``, else for a LocalCluster shaped by the options, after
+    ``meanwhile()``: before connecting to a scheduler, while a local cluster starts (its
+    workers start in about a second, the time the command takes to import dask.array and
+    zarr for its checks); if it raises, the local cluster is closed and nothing runs.
 
     Raises
     ------
@@ -390,6 +401,8 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
     address = getattr(args, "scheduler", None)
     if address:
         from rechunk_p2p.integrations.local_client import connection_refused
+
+        meanwhile()
 
         refused = connection_refused(address)
         if refused is not None:  # nothing listens there: fail now, not after the timeout
@@ -407,15 +420,18 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
         return
     from rechunk_p2p.integrations.local_client import workers_ignore_interrupts
 
-    with workers_ignore_interrupts():  # Ctrl-C stops the run here, not the workers
-        local = distributed.LocalCluster(
-            n_workers=args.workers,
-            threads_per_worker=args.threads_per_worker,
-            memory_limit=args.memory_limit,
-            # bokeh's import alone takes 0.4 s of a command's start: only where it is shown
-            dashboard_address=":0" if getattr(args, "dashboard", True) else None,
-            silence_logs=logging.ERROR,
-        )
+    with (
+        workers_ignore_interrupts(),  # Ctrl-C stops the run here, not the workers
+        ThreadPoolExecutor(1, thread_name_prefix="rechunk-p2p-cluster") as pool,
+    ):
+        starting = pool.submit(_local_cluster, args)
+        try:
+            meanwhile()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                starting.result().close()
+            raise
+        local = starting.result()
     with local, distributed.Client(local) as client:
         registering = register_in_background(client)  # the workers set up the engine meanwhile
         try:
@@ -426,6 +442,20 @@ def cluster(args: argparse.Namespace) -> Iterator[Any]:
             registering.join(_REGISTER_SECONDS)
             with contextlib.suppress(Exception):
                 client.run(_quiet_shutdown)
+
+
+def _local_cluster(args: argparse.Namespace) -> Any:
+    import distributed
+
+    return distributed.LocalCluster(
+        n_workers=args.workers,
+        threads_per_worker=args.threads_per_worker,
+        memory_limit=args.memory_limit,
+        dashboard_address=":0",  # its http server (/metrics, /health) on a free port
+        # bokeh's import alone takes 0.4 s of a command's start: only where it is shown
+        scheduler_kwargs={"dashboard": getattr(args, "dashboard", True)},
+        silence_logs=logging.ERROR,
+    )
 
 
 def _print_dashboard(client: Any) -> None:

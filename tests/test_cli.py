@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -183,7 +185,10 @@ def test_errors_are_one_line(tmp_path, args, message):
     (tmp_path / "exists.zarr").mkdir()
     zarr.open_group(tmp_path / "exists.zarr", mode="w")
 
-    result = run_cli(*args, cwd=tmp_path, timeout=60)
+    with contextlib.ExitStack() as held:  # distributed's default port taken (another
+        with contextlib.suppress(OSError):  # command running): no warning about it either
+            held.enter_context(socket.create_server(("127.0.0.1", 8787)))
+        result = run_cli(*args, cwd=tmp_path, timeout=60)
 
     assert result.returncode in (1, 2)
     lines = result.stderr.strip().splitlines()
