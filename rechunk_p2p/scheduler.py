@@ -46,8 +46,7 @@ from rechunk_p2p.spec import (
 from rechunk_p2p.waves import (
     TransferWaves,
     assign_round_robin,
-    holder_of_inputs,
-    root_transfer,
+    new_transfers,
 )
 
 logger = logging.getLogger(__name__)
@@ -146,22 +145,21 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
 
         A transfer task whose input is held already, at least in part (a persisted chunk,
         or one a derived input reads), is restricted loosely to the worker that holds most
-        of it (:func:`holder_of_inputs`), so that distributed does not move it there.
+        of it (:func:`~rechunk_p2p.waves.new_transfers`), so that distributed does not move
+        it there.
         """
         if tasks and any(isinstance(k, str) and k.startswith(BARRIER_PREFIX) for k in tasks):
             msg = {"op": "rechunk_p2p_expect"}
             workers = [ws.address for ws in scheduler.running]
             scheduler.send_all({}, {w: [msg] for w in workers if w in scheduler.stream_comms})
-        if tasks:  # transfers of inputs held already run where the inputs are
-            local = {k: {w} for k in tasks if (w := holder_of_inputs(scheduler, k)) is not None}
-            for key in local:
-                scheduler.tasks[key].loose_restrictions = True
-            scheduler.set_restrictions(local)
-        limit = SchedulerSettings.read().assign_transfers
-        if limit <= 0 or not tasks:
+        if not tasks:
             return
-        roots = [ts for key in tasks if (ts := root_transfer(scheduler, key)) is not None]
-        if not roots:
+        held, roots = new_transfers(scheduler, tasks)
+        for key in held:  # transfers of inputs held already run where the inputs are
+            scheduler.tasks[key].loose_restrictions = True
+        scheduler.set_restrictions(held)
+        limit = SchedulerSettings.read().assign_transfers
+        if limit <= 0 or not roots:
             return
         pins = assign_round_robin(
             roots, {ws.address: ws.nthreads for ws in scheduler.running}, limit

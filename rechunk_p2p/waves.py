@@ -7,7 +7,7 @@ A transfer task whose input is made inside it has no dependencies, so distribute
 as a root task and gives a worker the next one only after one finished. The scheduler plugin
 restricts the first ones to the workers in turn and hands the rest out in waves
 (:class:`TransferWaves`) as the workers finish theirs. A transfer whose input is held
-already goes to the worker that holds it (:func:`holder_of_inputs`).
+already goes to the worker that holds it (:func:`new_transfers`).
 """
 
 from __future__ import annotations
@@ -133,20 +133,31 @@ def root_transfer(scheduler: Any, key: Any) -> Any:
     return None if ts is None or ts.dependencies else ts
 
 
-def holder_of_inputs(scheduler: Any, key: Any) -> str | None:
-    """For a new transfer task whose inputs are held already (a persisted chunk, or one an
-    earlier computation left in memory), at least in part: the running worker that holds
-    most bytes of its dependencies in memory. ``None`` for any other task, or where it
-    has restrictions of its own.
+def new_transfers(scheduler: Any, keys: Any) -> tuple[dict[Any, set[str]], list[Any]]:
+    """One pass over a new graph's ``keys``: the new transfers whose inputs are held
+    already (a persisted chunk, or one an earlier computation left in memory), at least in
+    part, each with the running worker that holds most bytes of them in memory; and the
+    root transfers' tasks (:func:`root_transfer`).
 
     distributed places a task it has no duration for yet as half a second of work, so
     when a derived input's transfers become ready together it spreads them over the
     workers by count and moves their held inputs (through the workers' event loops) to
     where they land.
     """
-    ts = _new_transfer(scheduler, key)
-    if ts is None or not ts.dependencies:
-        return None
+    held: dict[Any, set[str]] = {}
+    roots = []
+    for key in keys:
+        ts = _new_transfer(scheduler, key)
+        if ts is None:
+            continue
+        if not ts.dependencies:
+            roots.append(ts)
+        elif (worker := _holder(scheduler, ts)) is not None:
+            held[key] = {worker}
+    return held, roots
+
+
+def _holder(scheduler: Any, ts: Any) -> str | None:
     held: Counter[Any] = Counter()
     for dts in ts.dependencies:
         if dts.state == "memory":
