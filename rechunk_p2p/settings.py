@@ -64,6 +64,7 @@ class WorkerSettings:
     buffer_bytes: int
     concurrency: int
     ports: range
+    connections: int
     message_bytes: int
     timeout: float
     disk_write_buffer_bytes: int
@@ -79,6 +80,9 @@ class WorkerSettings:
             buffer_bytes=_positive("comm.buffer-bytes-limit", _bytes("comm.buffer-bytes-limit")),
             concurrency=_positive("comm.concurrency", config.get_count("comm.concurrency")),
             ports=config.port_range("dataplane.port"),
+            connections=_positive(
+                "dataplane.connections", config.get_count("dataplane.connections")
+            ),
             message_bytes=_positive("comm.message-bytes-limit", _bytes("comm.message-bytes-limit")),
             timeout=_positive("comm.timeout", _seconds("comm.timeout")),
             disk_write_buffer_bytes=_bytes("disk-write-buffer-bytes"),

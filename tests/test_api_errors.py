@@ -97,6 +97,7 @@ def test_a_removed_setting_still_set_warns_once_and_is_ignored():
     ("side", "key", "value", "message"),
     [
         ("worker", "comm.concurrency", 0, "> 0"),
+        ("worker", "dataplane.connections", 0, "> 0"),
         ("worker", "comm.timeout", "soon", "is 'soon'; give a duration"),
         ("worker", "worker.process-tuning", "yes", "give true or false"),
         ("worker", "disk-write-buffer-bytes", "-1MiB", "give a size >= 0"),
@@ -141,6 +142,7 @@ def test_the_settings_read_are_the_defaults_and_what_is_set():
     assert SchedulerSettings.read().assign_transfers == 512
     worker = WorkerSettings.read()
     assert (worker.storage_memory_fraction, worker.direct_io) == (0.25, None)
+    assert worker.connections == 512
     assert worker.memory_budget(4000) == 1000 and worker.memory_budget(None) is None
     with dask.config.set({"rechunk-p2p.comm.run-buffer-bytes": "8MiB"}):
         assert ClientSettings.read(storage="disk").run_buffer_bytes == 8 * 2**20

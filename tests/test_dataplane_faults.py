@@ -42,6 +42,24 @@ async def test_dataplane_listens_in_the_configured_range(c, s, a, b):
     await assert_clean(s, a, b)
 
 
+@gen_cluster(
+    client=True, nthreads=[("127.0.0.1", 1)] * 4, config={"rechunk-p2p.dataplane.connections": 1}
+)
+async def test_a_worker_keeps_at_most_the_configured_connections_open(c, s, *workers):
+    """Each worker sends to the three others; with one connection allowed it closes the
+    idle one before opening the next (four peers' worth would stay open by default)."""
+    await rechunk_p2p.register(c)
+    arr = np.arange(64 * 64).reshape(64, 64)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(4, 64)), (64, 4))
+    check_result(await c.compute(y), arr)
+    for w in workers:
+        dataplane = w.plugins["rechunk-p2p"].dataplane
+        assert dataplane._pool._limit == 1
+        assert dataplane.idle_connections() <= 1
+    del y
+    await assert_clean(s, *workers)
+
+
 async def _fails_fast(c, s, a, b, bad_address: str) -> None:
     await rechunk_p2p.register(c)
     s.set_metadata(keys=[METADATA_KEY, b.address], value=bad_address)

@@ -16,7 +16,6 @@ PACKAGE = Path(rechunk_p2p.__file__).parent
 
 #: (module, exception) raised internally and handled inside the library.
 INTERNAL = {
-    ("transport/dataplane.py", "OSError"): "a peer's close message ends the receive loop",
     ("store/files.py", "OSError"): "short reads/writes; wrapped in RechunkStorageError",
     ("store/files.py", "AssertionError"): "marks an unreachable line",
     ("store/direct.py", "OSError"): "short or refused unbuffered I/O; the disk store wraps "

@@ -2,10 +2,11 @@
 
 Where it runs: the data plane's event loop, in a dedicated thread of each worker process.
 
-Bulk bytes never touch the worker's own event loop: pieces are sent through a
-:class:`distributed.core.ConnectionPool` and received by a listener that both live on this
-loop, with the worker's security settings (so TLS still applies). Reading large messages off
-sockets therefore delays this loop, not the one that answers heartbeats and schedules tasks.
+Bulk bytes never touch the worker's own event loop: pieces are sent on streams this loop
+keeps per peer and received by a listener on the same loop
+(:mod:`rechunk_p2p.transport.streams`), with the worker's security settings (so TLS still
+applies). Reading large messages off sockets therefore delays this loop, not the one that
+answers heartbeats and schedules tasks.
 """
 
 from __future__ import annotations
@@ -16,27 +17,19 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from distributed.comm import listen
+import dask.config
 from distributed.comm.addressing import get_address_host, parse_address
-from distributed.core import ConnectionPool, error_message
-from distributed.protocol import to_serialize
 
 from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.offload import LoopThread, from_thread
 from rechunk_p2p.spec import RunId, ShuffleId
 from rechunk_p2p.transport.limiter import ByteLimiter
+from rechunk_p2p.transport.streams import PieceServer, StreamPool, request_frames
 from rechunk_p2p.transport.wire import Packed
 
 logger = logging.getLogger(__name__)
 
 ReceiveFn = Callable[[str, int, list[Packed]], Awaitable[None]]
-PIECES_OP = "rechunk_p2p_pieces"
-
-
-#: Outgoing connections a data plane keeps open at once (idle ones are reused per peer). Sends
-#: in flight are bounded by ``rechunk-p2p.comm.concurrency``; this bounds the file descriptors
-#: kept for a cluster of many workers, as distributed's own pool does.
-_OPEN_CONNECTIONS = 512
 
 
 class DataPlane:
@@ -62,6 +55,9 @@ class DataPlane:
         Sends in flight at once.
     ports
         Ports to listen on, the first free one taken (default: any free port).
+    connections
+        Outgoing connections kept open at most (idle ones are reused per peer; sends in
+        flight, bounded by ``concurrency``, may open one past it).
     """
 
     def __init__(
@@ -73,8 +69,10 @@ class DataPlane:
         buffer_bytes: int,
         concurrency: int,
         ports: range | None = None,
+        connections: int = 512,
     ) -> None:
         self._ports = ports or range(0, 1)
+        self._connections = connections
         self._worker_address = worker_address
         self._security = security
         self._receive = receive
@@ -83,10 +81,8 @@ class DataPlane:
         self._sends_in_flight = concurrency
         self.send_slots: asyncio.Semaphore | None = None  # made on the loop, in _start
         self.address: str | None = None
-        self._listener: Any = None
-        self._pool: ConnectionPool | None = None
-        self._inbound: set[Any] = set()
-        self._stopping = False
+        self._server: PieceServer | None = None
+        self._pool: StreamPool | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -102,28 +98,31 @@ class DataPlane:
         if scheme not in ("tcp", "tls"):
             scheme = "tcp"
         host = get_address_host(self._worker_address) if scheme != "inproc" else "127.0.0.1"
-        listen_args = self._security.get_listen_args("worker")
+        tls = scheme == "tls"
+        server_tls = self._security.get_listen_args("worker").get("ssl_context") if tls else None
+        client_tls = (
+            self._security.get_connection_args("worker").get("ssl_context") if tls else None
+        )
+        backlog = int(dask.config.get("distributed.comm.socket-backlog"))
+        server = PieceServer(self._receive, server_tls)
         error: OSError | None = None
         for port in self._ports:
             if port and (error := _bind_error(host, port)) is not None:
-                continue  # taken (tornado would leak its socket on this failure)
-            self._listener = listen(f"{scheme}://{host}:{port}", self._handle_comm, **listen_args)
+                continue  # taken (binding it would leave a socket behind)
             try:
-                await self._listener.start()
+                port = server.listen_on(host, port, backlog)
                 break
-            except OSError as e:  # taken: try the next port of the range
+            except OSError as e:  # taken meanwhile: try the next port of the range
                 error = e
         else:
             raise ClusterError(
                 f"The rechunk_p2p data plane of {self._worker_address} found no free port in "
                 f"{self._ports.start}-{self._ports.stop - 1} (rechunk-p2p.dataplane.port): {error}"
             )
-        self._pool = ConnectionPool(
-            limit=_OPEN_CONNECTIONS, connection_args=self._security.get_connection_args("worker")
-        )
-        await self._pool.start()
+        self._server = server
+        self._pool = StreamPool(self._connections, client_tls)
         self.send_slots = asyncio.Semaphore(self._sends_in_flight)
-        self.address = self._listener.contact_address
+        self.address = f"{scheme}://{_unparse(host, port)}"
         return self.address
 
     def stop_blocking(self) -> None:
@@ -135,73 +134,37 @@ class DataPlane:
         self._thread.stop_blocking()
 
     async def _stop(self) -> None:
-        self._stopping = True
-        if self._listener is not None:
-            self._listener.stop()
-        for comm in list(self._inbound):  # peers may still hold their connections open
-            comm.abort()
+        if self._server is not None:
+            self._server.stop_all()
         if self._pool is not None:
-            await self._pool.close()
+            self._pool.close()
 
     def idle_connections(self) -> int:
         """Outgoing connections open but unused (read from any thread: a count, maybe a
         step behind)."""
         pool = self._pool
-        return 0 if pool is None else sum(len(c) for c in list(pool.available.values()))
+        return 0 if pool is None else pool.idle
 
     async def close_idle(self) -> None:
         """On this loop: close the outgoing connections no send uses (the worker is idle);
         the next send opens what it needs."""
         if self._pool is not None:
-            self._pool.collect()
+            self._pool.close_idle()
 
     async def send(
         self, address: str, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]
     ) -> None:
-        """Deliver one batch of packed pieces to the data plane at ``address``; await its ack.
+        """Deliver one batch of packed pieces to the data plane at ``address``; await its
+        reply (raising the receiver's error, or :class:`OSError` if the connection failed).
 
-        Each :class:`Packed` travels as a header (three lists of small integers, one entry
-        per piece, msgpack-encoded on this loop) and one payload frame. The frame's bytes never
-        pass through Python here; the header costs this loop a few hundred nanoseconds per
-        piece, which is why transfer tasks pack all of an input chunk's pieces for one worker
-        into one :class:`Packed`.
+        The message is a small header (each :class:`Packed`'s lists of small integers,
+        msgpack-encoded on this loop) and the payloads, whose bytes never pass through Python
+        here; the header costs this loop a few hundred nanoseconds per piece, which is why
+        transfer tasks pack all of an input chunk's pieces for one worker into one
+        :class:`Packed`.
         """
         assert self._pool is not None
-        await getattr(self._pool(address), PIECES_OP)(
-            shuffle_id=shuffle_id,
-            run_id=run_id,
-            headers=[p.header() for p in batch],
-            payloads=[to_serialize(p.payload) for p in batch],
-        )
-
-    async def _handle_comm(self, comm: Any) -> None:
-        if self._stopping:  # accepted as the data plane stopped: no one would close it
-            comm.abort()
-            return
-        self._inbound.add(comm)
-        try:
-            while True:
-                msg = await comm.read()
-                reply = await self._dispatch(msg)
-                await comm.write(reply)
-        except OSError:  # the sender closed its connection
-            pass
-        finally:
-            self._inbound.discard(comm)
-            await comm.close()
-
-    async def _dispatch(self, msg: dict) -> Any:
-        op = msg.get("op")
-        if op == "close":
-            raise OSError("closed by peer")
-        if op != PIECES_OP:
-            return error_message(ValueError(f"Unknown data plane operation {op!r}"))
-        try:
-            batch = [Packed.from_message(h, p) for h, p in zip(msg["headers"], msg["payloads"])]
-            await self._receive(msg["shuffle_id"], msg["run_id"], batch)
-        except Exception as e:
-            return error_message(e)
-        return {"status": "OK"}
+        await self._pool.request(address, request_frames(shuffle_id, run_id, batch))
 
 
 def _bind_error(host: str, port: int) -> OSError | None:
@@ -214,3 +177,7 @@ def _bind_error(host: str, port: int) -> OSError | None:
         except OSError as e:
             return e
     return None
+
+
+def _unparse(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

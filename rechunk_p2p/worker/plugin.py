@@ -146,6 +146,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             buffer_bytes=settings.buffer_bytes,
             concurrency=settings.concurrency,
             ports=settings.ports,
+            connections=settings.connections,
         )
         address = await self.offload.to_thread(self.dataplane.start_blocking)
         await self.offload.to_thread(import_task_modules_blocking)  # not on the loop

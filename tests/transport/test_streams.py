@@ -1,0 +1,169 @@
+"""The data plane's streams: requests and replies, errors raised at the sender, the limit on
+open connections, streams a peer closed, and strangers on the listening port.
+
+Where it runs: one event loop (``gen_test``) holding listeners and pools on localhost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+from distributed.utils_test import gen_test
+
+from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.transport.streams import PieceServer, StreamPool, request_frames
+from rechunk_p2p.transport.wire import Packed, pack_blocking, unpack_blocking
+
+
+class Receiver:
+    """What a listener got, and what it raises for a run id listed in ``refuse``."""
+
+    def __init__(self, refuse: dict[int, BaseException] | None = None) -> None:
+        self.got: list[tuple[str, int, list[Packed]]] = []
+        self.refuse = refuse or {}
+
+    async def __call__(self, shuffle_id: str, run_id: int, batch: list[Packed]) -> None:
+        if run_id in self.refuse:
+            raise self.refuse[run_id]
+        self.got.append((shuffle_id, run_id, batch))
+
+
+def listening(receiver: Receiver) -> tuple[PieceServer, str]:
+    server = PieceServer(receiver)
+    port = server.listen_on("127.0.0.1", 0, backlog=16)
+    return server, f"tcp://127.0.0.1:{port}"
+
+
+def batch_of(dtype: str, seed: int) -> list[Packed]:
+    rng = np.random.default_rng(seed)
+    pieces = [(o, seed, rng.integers(0, 100, size=(o + 1, 3)).astype(dtype)) for o in range(3)]
+    empty = (9, seed, np.zeros((0, 3), dtype=dtype))
+    return [pack_blocking(pieces, np.dtype(dtype)), pack_blocking([empty], np.dtype(dtype))]
+
+
+@gen_test()
+async def test_batches_arrive_whole_on_one_reused_connection():
+    receiver = Receiver()
+    server, address = listening(receiver)
+    pool = StreamPool(limit=8)
+    try:
+        sent = {run: batch_of(dtype, run) for run, dtype in enumerate(["f8", "i2", "O"])}
+        for run, batch in sent.items():
+            await pool.request(address, request_frames("shuffle-x", run, batch))
+        assert pool.idle == 1 and len(server._inbound) == 1  # one connection, reused
+        assert [(s, r) for s, r, _ in receiver.got] == [("shuffle-x", r) for r in sent]
+        for (_, run, got), dtype in zip(receiver.got, ["f8", "i2", "O"]):
+            for want, back in zip(sent[run], got):
+                assert tuple(back.outputs) == tuple(want.outputs)
+                assert back.shapes == want.shapes and back.inputs == want.inputs
+                for (o, i, a), (o2, i2, b) in zip(
+                    unpack_blocking(want, np.dtype(dtype)), unpack_blocking(back, np.dtype(dtype))
+                ):
+                    assert (o, i) == (o2, i2)
+                    np.testing.assert_array_equal(a, b)
+    finally:
+        pool.close()
+        server.stop_all()
+
+
+@gen_test()
+async def test_a_refusal_is_raised_at_the_sender_and_the_connection_serves_on():
+    refusal = RechunkRunError("pieces of rechunk s (run 1) reached the wrong worker; refused")
+    receiver = Receiver(refuse={1: refusal, 2: _Unpicklable("no pickle")})
+    server, address = listening(receiver)
+    pool = StreamPool(limit=8)
+    try:
+        with pytest.raises(RechunkRunError, match="reached the wrong worker"):
+            await pool.request(address, request_frames("s", 1, batch_of("f8", 1)))
+        with pytest.raises(RuntimeError, match="_Unpicklable: no pickle"):
+            await pool.request(address, request_frames("s", 2, batch_of("f8", 2)))
+        await pool.request(address, request_frames("s", 3, batch_of("f8", 3)))
+        assert [r for _, r, _ in receiver.got] == [3]
+        assert pool.idle == 1 and len(server._inbound) == 1
+    finally:
+        pool.close()
+        server.stop_all()
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("cannot pickle this")
+
+
+@gen_test()
+async def test_open_connections_stay_within_the_limit():
+    receivers = [Receiver() for _ in range(5)]
+    servers = [listening(r) for r in receivers]
+    pool = StreamPool(limit=2)
+    try:
+        for round_ in range(2):
+            for _, address in servers:
+                await pool.request(address, request_frames("s", round_, batch_of("u1", 0)))
+                assert pool.idle <= 2
+        assert all(len(r.got) == 2 for r in receivers)
+        await asyncio.sleep(0.05)  # the listeners see the closed connections
+        assert sum(len(server._inbound) for server, _ in servers) <= 2
+        pool.close_idle()
+        assert pool.idle == 0
+    finally:
+        pool.close()
+        for server, _ in servers:
+            server.stop_all()
+
+
+@gen_test()
+async def test_a_connection_the_peer_closed_is_not_reused():
+    receiver = Receiver()
+    server, address = listening(receiver)
+    pool = StreamPool(limit=8)
+    try:
+        await pool.request(address, request_frames("s", 1, batch_of("f8", 1)))
+        for stream in list(server._inbound):
+            stream.close()
+        for _ in range(100):  # the pool notices the close without sending
+            if pool.idle == 0:
+                break
+            await asyncio.sleep(0.01)
+        await pool.request(address, request_frames("s", 2, batch_of("f8", 2)))
+        assert [r for _, r, _ in receiver.got] == [1, 2]
+    finally:
+        pool.close()
+        server.stop_all()
+
+
+@gen_test()
+async def test_a_stranger_is_dropped_and_the_listener_serves_on():
+    receiver = Receiver()
+    server, address = listening(receiver)
+    pool = StreamPool(limit=8)
+    port = int(address.rsplit(":", 1)[1])
+    try:
+        loop = asyncio.get_running_loop()
+        with socket.create_connection(("127.0.0.1", port)) as stranger:
+            stranger.setblocking(False)
+            await loop.sock_sendall(stranger, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64)
+            try:  # closed without an answer (reset: it left our bytes unread)
+                reply = await asyncio.wait_for(loop.sock_recv(stranger, 100), 5)
+            except ConnectionResetError:
+                reply = b""
+            assert reply == b""
+        await pool.request(address, request_frames("s", 1, batch_of("f8", 1)))
+        assert [r for _, r, _ in receiver.got] == [1]
+    finally:
+        pool.close()
+        server.stop_all()
+
+
+@gen_test()
+async def test_an_unreachable_peer_raises_oserror():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = StreamPool(limit=8)
+    with pytest.raises(OSError):
+        await pool.request(f"tcp://127.0.0.1:{port}", request_frames("s", 1, batch_of("f8", 1)))
+    assert pool.idle == 0
+    pool.close()
