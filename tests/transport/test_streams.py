@@ -7,7 +7,9 @@ Where it runs: one event loop (``gen_test``) holding listeners and pools on loca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -37,6 +39,18 @@ def listening(receiver: Receiver) -> tuple[PieceServer, str]:
     return server, f"tcp://127.0.0.1:{port}"
 
 
+@contextlib.asynccontextmanager
+async def serving(receiver: Receiver) -> AsyncIterator[tuple[PieceServer, str, StreamPool]]:
+    """A listener handing requests to ``receiver``, its address, and a pool to send with."""
+    server, address = listening(receiver)
+    pool = StreamPool(limit=8)
+    try:
+        yield server, address, pool
+    finally:
+        pool.close()
+        server.stop_all()
+
+
 def batch_of(dtype: str, seed: int) -> list[Packed]:
     rng = np.random.default_rng(seed)
     pieces = [(o, seed, rng.integers(0, 100, size=(o + 1, 3)).astype(dtype)) for o in range(3)]
@@ -47,9 +61,7 @@ def batch_of(dtype: str, seed: int) -> list[Packed]:
 @gen_test()
 async def test_batches_arrive_whole_on_one_reused_connection():
     receiver = Receiver()
-    server, address = listening(receiver)
-    pool = StreamPool(limit=8)
-    try:
+    async with serving(receiver) as (server, address, pool):
         sent = {run: batch_of(dtype, run) for run, dtype in enumerate(["f8", "i2", "O"])}
         for run, batch in sent.items():
             await pool.request(address, request_frames("shuffle-x", run, batch))
@@ -64,18 +76,13 @@ async def test_batches_arrive_whole_on_one_reused_connection():
                 ):
                     assert (o, i) == (o2, i2)
                     np.testing.assert_array_equal(a, b)
-    finally:
-        pool.close()
-        server.stop_all()
 
 
 @gen_test()
 async def test_a_refusal_is_raised_at_the_sender_and_the_connection_serves_on():
     refusal = RechunkRunError("pieces of rechunk s (run 1) reached the wrong worker; refused")
     receiver = Receiver(refuse={1: refusal, 2: _Unpicklable("no pickle")})
-    server, address = listening(receiver)
-    pool = StreamPool(limit=8)
-    try:
+    async with serving(receiver) as (server, address, pool):
         with pytest.raises(RechunkRunError, match="reached the wrong worker"):
             await pool.request(address, request_frames("s", 1, batch_of("f8", 1)))
         with pytest.raises(RuntimeError, match="_Unpicklable: no pickle"):
@@ -83,9 +90,6 @@ async def test_a_refusal_is_raised_at_the_sender_and_the_connection_serves_on():
         await pool.request(address, request_frames("s", 3, batch_of("f8", 3)))
         assert [r for _, r, _ in receiver.got] == [3]
         assert pool.idle == 1 and len(server._inbound) == 1
-    finally:
-        pool.close()
-        server.stop_all()
 
 
 class _Unpicklable(Exception):
@@ -117,9 +121,7 @@ async def test_open_connections_stay_within_the_limit():
 @gen_test()
 async def test_a_connection_the_peer_closed_is_not_reused():
     receiver = Receiver()
-    server, address = listening(receiver)
-    pool = StreamPool(limit=8)
-    try:
+    async with serving(receiver) as (server, address, pool):
         await pool.request(address, request_frames("s", 1, batch_of("f8", 1)))
         for stream in list(server._inbound):
             stream.close()
@@ -129,18 +131,13 @@ async def test_a_connection_the_peer_closed_is_not_reused():
             await asyncio.sleep(0.01)
         await pool.request(address, request_frames("s", 2, batch_of("f8", 2)))
         assert [r for _, r, _ in receiver.got] == [1, 2]
-    finally:
-        pool.close()
-        server.stop_all()
 
 
 @gen_test()
 async def test_a_stranger_is_dropped_and_the_listener_serves_on():
     receiver = Receiver()
-    server, address = listening(receiver)
-    pool = StreamPool(limit=8)
-    port = int(address.rsplit(":", 1)[1])
-    try:
+    async with serving(receiver) as (_, address, pool):
+        port = int(address.rsplit(":", 1)[1])
         loop = asyncio.get_running_loop()
         with socket.create_connection(("127.0.0.1", port)) as stranger:
             stranger.setblocking(False)
@@ -152,9 +149,6 @@ async def test_a_stranger_is_dropped_and_the_listener_serves_on():
             assert reply == b""
         await pool.request(address, request_frames("s", 1, batch_of("f8", 1)))
         assert [r for _, r, _ in receiver.got] == [1]
-    finally:
-        pool.close()
-        server.stop_all()
 
 
 @gen_test()
