@@ -275,8 +275,10 @@ class PieceServer(TCPServer):
                     await stream.write(_OK)
         except StreamClosedError:  # the sender closed its stream
             pass
-        except ProtocolError as e:
-            logger.warning("Data plane dropped a connection from %s: %s", address, e)
+        except Exception as e:  # not our messages, or not whole: drop the stranger
+            logger.warning(
+                "Data plane dropped a connection from %s: %s: %s", address, type(e).__name__, e
+            )
         finally:
             self._inbound.discard(stream)
             stream.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -133,15 +134,22 @@ async def test_a_connection_the_peer_closed_is_not_reused():
         assert [r for _, r, _ in receiver.got] == [1, 2]
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64,  # not a data-plane message
+        struct.pack("<4sQQ", b"RP2P", 5, 0) + b"\xc1\xc1\xc1\xc1\xc1",  # a header msgpack refuses
+    ],
+)
 @gen_test()
-async def test_a_stranger_is_dropped_and_the_listener_serves_on():
+async def test_a_stranger_is_dropped_and_the_listener_serves_on(message):
     receiver = Receiver()
     async with serving(receiver) as (_, address, pool):
         port = int(address.rsplit(":", 1)[1])
         loop = asyncio.get_running_loop()
         with socket.create_connection(("127.0.0.1", port)) as stranger:
             stranger.setblocking(False)
-            await loop.sock_sendall(stranger, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64)
+            await loop.sock_sendall(stranger, message)
             try:  # closed without an answer (reset: it left our bytes unread)
                 reply = await asyncio.wait_for(loop.sock_recv(stranger, 100), 5)
             except ConnectionResetError:
