@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import dask.config
-from distributed.comm.addressing import get_address_host, parse_address
+from distributed.comm.addressing import get_address_host, parse_address, unparse_host_port
 
 from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.offload import LoopThread, from_thread
@@ -122,7 +122,7 @@ class DataPlane:
         self._server = server
         self._pool = StreamPool(self._connections, client_tls)
         self.send_slots = asyncio.Semaphore(self._sends_in_flight)
-        self.address = f"{scheme}://{_unparse(host, port)}"
+        self.address = f"{scheme}://{unparse_host_port(host, port)}"
         return self.address
 
     def stop_blocking(self) -> None:
@@ -177,7 +177,3 @@ def _bind_error(host: str, port: int) -> OSError | None:
         except OSError as e:
             return e
     return None
-
-
-def _unparse(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
