@@ -266,7 +266,8 @@ def test_a_barrier_task_survives_substitution():
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
     """A worker idle for UNFREEZE_IDLE_SECONDS (shortened here) closes the data plane's
-    connections no send uses; the next rechunk opens what it needs."""
+    connections no send uses and lets its free receive buffers go; the next rechunk opens
+    what it needs."""
     from rechunk_p2p.transport.dataplane import DataPlane
     from rechunk_p2p.worker import idle as idle_module
 
@@ -289,4 +290,21 @@ async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
             break
         await asyncio.sleep(0.05)
     assert len(closed) >= 2 and all(before > 0 and after == 0 for before, after in closed)
+    assert not any(p.receive_buffers.free_bytes for p in planes)  # (let go as well)
     await _check(c, s, [a, b], x, (40, 5))  # connections are opened again
+
+
+@gen_cluster(
+    client=True,
+    nthreads=NTHREADS_2,
+    config={"rechunk-p2p.storage": "memory", "rechunk-p2p.comm.message-bytes-limit": "16KiB"},
+)
+async def test_received_payloads_buffers_are_read_into_again(c, s, a, b):
+    """Outputs filled as their pieces arrive (the memory store): a received message's buffer
+    is free once its pieces are copied out, and later messages are read into it; the values
+    stay those of dask's rechunk."""
+    x = da.random.default_rng(7).random((64, 2048), chunks=(2, 2048))
+    await _check(c, s, [a, b], x, (64, 64))
+    for worker in (a, b):
+        buffers = worker.plugins["rechunk-p2p"].dataplane.receive_buffers
+        assert buffers.reused > buffers.made > 0

@@ -76,6 +76,7 @@ class AssemblingMemoryStore:
     """
 
     kind = "memory"
+    copies_pieces = True  # (pieces are copied into their outputs)
 
     def __init__(self, dtype: np.dtype, name: str, partial: Partial) -> None:
         self.dtype = np.dtype(dtype)

@@ -40,7 +40,13 @@ class PieceStore(Protocol):
     """The interface shared by :class:`MemoryPieceStore` and :class:`DiskPieceStore`.
 
     Every method is blocking and safe to call from several threads at once.
+
+    ``copies_pieces`` says whether a write returns with every piece copied into memory or
+    files of the store's own, so that nothing refers to the arrays or payloads written any
+    more (a receiver then reads its next message into the same buffer).
     """
+
+    copies_pieces: bool
 
     def write_blocking(self, pieces: Iterable[Piece]) -> int:
         """Store pieces; return the payload bytes accepted.

@@ -119,6 +119,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
     """
 
     kind = "disk"
+    copies_pieces = False  # (batches wait in the write buffer as given)
 
     def __init__(
         self,

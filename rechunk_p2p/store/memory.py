@@ -41,6 +41,7 @@ class MemoryPieceStore:
     """
 
     kind = "memory"
+    copies_pieces = False  # (pieces are kept as given: views of their payload)
 
     def __init__(self, dtype: np.dtype, name: str) -> None:
         self.dtype = np.dtype(dtype)

@@ -37,6 +37,7 @@ class SplitStore:
     """
 
     kind = "memory+disk"
+    copies_pieces = False  # (its disk part keeps batches as given)
 
     def __init__(
         self, memory: AssemblingMemoryStore, disk: DiskPieceStore, in_memory: np.ndarray

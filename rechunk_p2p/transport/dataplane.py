@@ -24,12 +24,15 @@ from rechunk_p2p.errors import ClusterError
 from rechunk_p2p.offload import LoopThread, from_thread
 from rechunk_p2p.spec import RunId, ShuffleId
 from rechunk_p2p.transport.limiter import ByteLimiter
+from rechunk_p2p.transport.receive_buffers import ReceiveBuffers
 from rechunk_p2p.transport.streams import PieceServer, StreamPool, request_frames
 from rechunk_p2p.transport.wire import Packed
 
 logger = logging.getLogger(__name__)
 
-ReceiveFn = Callable[[str, int, list[Packed]], Awaitable[None]]
+#: ``await receive(shuffle_id, run_id, batch)``: stores the pieces, returns whether it
+#: copied them out (see :data:`rechunk_p2p.transport.streams.Handler`)
+ReceiveFn = Callable[[str, int, list[Packed]], Awaitable[bool]]
 
 
 class DataPlane:
@@ -48,7 +51,9 @@ class DataPlane:
     security
         The worker's :class:`distributed.Security`.
     receive
-        ``await receive(shuffle_id, run_id, batch)``, run on this loop for every message.
+        ``await receive(shuffle_id, run_id, batch)``, run on this loop for every message;
+        returns whether it copied the pieces out (their payload's buffer then serves a
+        later message).
     buffer_bytes
         Bytes queued for sending before transfer tasks are held back.
     concurrency
@@ -145,11 +150,24 @@ class DataPlane:
         pool = self._pool
         return 0 if pool is None else pool.idle
 
+    @property
+    def receive_buffers(self) -> ReceiveBuffers | None:
+        """The buffers received payloads are read into (``None`` before the start)."""
+        return None if self._server is None else self._server.buffers
+
+    def holds_idle(self) -> bool:
+        """Whether outgoing connections are open but unused, or receive buffers kept free
+        (read from any thread: maybe a step behind)."""
+        buffers = self.receive_buffers
+        return bool(self.idle_connections() or (buffers is not None and buffers.free_bytes))
+
     async def close_idle(self) -> None:
-        """On this loop: close the outgoing connections no send uses (the worker is idle);
-        the next send opens what it needs."""
+        """On this loop: close the outgoing connections no send uses and let the free
+        receive buffers go (the worker is idle); the next send opens what it needs."""
         if self._pool is not None:
             self._pool.close_idle()
+        if (buffers := self.receive_buffers) is not None:
+            buffers.clear()
 
     async def send(
         self, address: str, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]

@@ -37,11 +37,14 @@ from tornado.tcpclient import TCPClient
 from tornado.tcpserver import TCPServer
 
 from rechunk_p2p.spec import RunId, ShuffleId
+from rechunk_p2p.transport.receive_buffers import ReceiveBuffers
 from rechunk_p2p.transport.wire import Packed
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[ShuffleId, RunId, list[Packed]], Awaitable[None]]
+#: ``await handler(shuffle_id, run_id, batch)`` stores a request's pieces (or raises) and
+#: returns whether it copied them out, so that nothing refers to their payload any more
+Handler = Callable[[ShuffleId, RunId, list[Packed]], Awaitable[bool]]
 
 _MAGIC = b"RP2P"
 _REQUEST = struct.Struct("<4sQQ")  # magic, header bytes, payload bytes
@@ -78,8 +81,11 @@ def _bytes_of(payload: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
 
 
-async def read_request(stream: IOStream) -> tuple[ShuffleId, RunId, list[Packed]]:
-    """The next request on ``stream``; its payloads view one buffer, read into directly."""
+async def read_request(
+    stream: IOStream, buffers: ReceiveBuffers | None = None
+) -> tuple[ShuffleId, RunId, list[Packed], np.ndarray]:
+    """The next request on ``stream`` and the buffer its payloads view, read into directly
+    (taken from ``buffers`` if given)."""
     prefix = bytearray(_REQUEST.size)
     await stream.read_into(prefix)
     magic, header_bytes, payload_bytes = _REQUEST.unpack(prefix)
@@ -88,7 +94,10 @@ async def read_request(stream: IOStream) -> tuple[ShuffleId, RunId, list[Packed]
     header = bytearray(header_bytes)
     await stream.read_into(header)
     meta = msgpack.unpackb(header, raw=False)
-    payload = np.empty(payload_bytes, dtype=np.uint8)
+    if payload_bytes and buffers is not None:
+        payload = buffers.take(payload_bytes)
+    else:
+        payload = np.empty(payload_bytes, dtype=np.uint8)
     if payload_bytes:
         await stream.read_into(memoryview(payload))
     batch, offset = [], 0
@@ -97,7 +106,7 @@ async def read_request(stream: IOStream) -> tuple[ShuffleId, RunId, list[Packed]
         offset += size
     if offset != payload_bytes:
         raise ProtocolError(f"a message of {payload_bytes} payload bytes described {offset}")
-    return meta["shuffle_id"], meta["run_id"], batch
+    return meta["shuffle_id"], meta["run_id"], batch, payload
 
 
 def reply_frame(error: BaseException | None) -> bytes:
@@ -238,10 +247,14 @@ class PieceServer(TCPServer):
     """**Loop-confined** (the data plane's loop). Accepts data-plane streams and answers each
     request with ``handler``'s outcome.
 
+    Payloads are read into :attr:`buffers`; a payload whose pieces the handler copied out
+    serves a later request.
+
     Parameters
     ----------
     handler
-        ``await handler(shuffle_id, run_id, batch)``: stores the pieces or raises.
+        ``await handler(shuffle_id, run_id, batch)``: stores the pieces or raises, and
+        returns whether it copied them out (see :data:`Handler`).
     ssl_context
         The workers' server TLS context, ``None`` for TCP.
     """
@@ -249,6 +262,7 @@ class PieceServer(TCPServer):
     def __init__(self, handler: Handler, ssl_context: Any = None) -> None:
         super().__init__(ssl_options=ssl_context, max_buffer_size=_MAX_BUFFER)
         self._handler = handler
+        self.buffers = ReceiveBuffers()
         self._inbound: set[IOStream] = set()
         self._stopping = False
 
@@ -266,12 +280,15 @@ class PieceServer(TCPServer):
         self._inbound.add(stream)
         try:
             while True:
-                shuffle_id, run_id, batch = await read_request(stream)
+                shuffle_id, run_id, batch, payload = await read_request(stream, self.buffers)
                 try:
-                    await self._handler(shuffle_id, run_id, batch)
+                    copied = await self._handler(shuffle_id, run_id, batch)
                 except Exception as e:
                     await stream.write(reply_frame(e))
                 else:
+                    del batch  # (views of the payload)
+                    if copied and payload.nbytes:
+                        self.buffers.give_back(payload)
                     await stream.write(_OK)
         except StreamClosedError:  # the sender closed its stream
             pass

@@ -90,7 +90,7 @@ class IdleWatch:
         has run for :data:`UNFREEZE_IDLE_SECONDS`: unfreeze and collect (a full collection,
         which stops the loop too, so it must not fall between the phases of a rechunk),
         and close the data plane's idle connections (a worker keeps one or more to every
-        peer it sent to)."""
+        peer it sent to) and let its free receive buffers go."""
         plugin = self._plugin
         state = getattr(plugin.worker, "state", None)
         loop = asyncio.get_running_loop()
@@ -105,14 +105,14 @@ class IdleWatch:
                 or (self.expected_until is not None and now < self.expected_until)
             )
             dataplane = plugin.dataplane
-            idle_connections = dataplane is not None and dataplane.idle_connections()
-            if busy or plugin.runs or not (_tuning.frozen_unused or idle_connections):
+            dataplane_idle = dataplane is not None and dataplane.holds_idle()
+            if busy or plugin.runs or not (_tuning.frozen_unused or dataplane_idle):
                 idle_since = None
                 continue
             if idle_since is None:
                 idle_since = now
             elif now - idle_since >= UNFREEZE_IDLE_SECONDS:
                 _tuning.unfreeze_unused()
-                if idle_connections and dataplane is not None:
+                if dataplane_idle and dataplane is not None:
                     await on_loop(dataplane.loop, dataplane.close_idle)
                 idle_since = None

@@ -278,8 +278,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     # --- handlers -------------------------------------------------------------------------
 
-    async def receive(self, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]) -> None:
-        """On the data plane loop: store pieces that another worker sent."""
+    async def receive(self, shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]) -> bool:
+        """On the data plane loop: store pieces that another worker sent; whether they were
+        copied out of their payload (see :meth:`WorkerRun.receive`)."""
         with self._lock:
             run = self.runs.get(shuffle_id)
         if run is None or run.run_id < run_id:
@@ -289,7 +290,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 f"Pieces for run {run_id} of rechunk {shuffle_id} reached "
                 f"{self.worker.address}, which runs run {run.run_id}"
             )
-        await run.receive(batch)
+        return await run.receive(batch)
 
     async def _worker_barrier(self, shuffle_id: ShuffleId, run_id: RunId) -> dict:
         """This worker's part of the barrier: every input was cut; deliver what it sends.

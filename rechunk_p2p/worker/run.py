@@ -378,12 +378,15 @@ class WorkerRun:
 
     # --- data plane loop ----------------------------------------------------------------------
 
-    async def receive(self, batch: list[Packed]) -> None:
-        """Store pieces that arrived from another worker (unpacked and written on the pool)."""
+    async def receive(self, batch: list[Packed]) -> bool:
+        """Store pieces that arrived from another worker (unpacked and written on the pool).
+        Returns whether the store copied them out, so that nothing refers to the batches'
+        payloads any more (the data plane then reads later messages into them)."""
         self._raise_if_closed()
         nbytes = await self._offload.to_thread(self._store_packed_blocking, batch)
         with self._lock:
             self._bytes_received += nbytes
+        return self._store.copies_pieces
 
     def _store_packed_blocking(self, batch: list[Packed]) -> int:
         start = time.perf_counter()

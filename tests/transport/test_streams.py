@@ -169,3 +169,55 @@ async def test_an_unreachable_peer_raises_oserror():
         await pool.request(f"tcp://127.0.0.1:{port}", request_frames("s", 1, batch_of("f8", 1)))
     assert pool.idle == 0
     pool.close()
+
+
+class Copier(Receiver):
+    """Copies each batch's pieces out, as the assembling store does, and says so (or not)."""
+
+    def __init__(self, copies: bool) -> None:
+        super().__init__()
+        self.copies = copies
+        self.payloads: list[int] = []  # address of each request's payload
+
+    async def __call__(self, shuffle_id: str, run_id: int, batch: list[Packed]) -> bool:
+        base = batch[0].payload.base
+        self.payloads.append(base.__array_interface__["data"][0])
+        copied = [(o, i, a.copy()) for p in batch for o, i, a in unpack_blocking(p, F8)]
+        self.got.append((shuffle_id, run_id, copied))
+        return self.copies
+
+
+F8 = np.dtype("f8")
+
+
+@pytest.mark.parametrize("copies", [True, False])
+@gen_test()
+async def test_a_payload_copied_out_is_read_into_again(copies):
+    """A handler that copied the pieces out frees their payload's buffer for the next
+    request; one that keeps them (views of the payload) keeps it. Each request's pieces
+    arrive whole either way."""
+    receiver = Copier(copies)
+    async with serving(receiver) as (server, address, pool):
+        sent = {run: batch_of("f8", run) for run in range(4)}
+        for run, batch in sent.items():
+            await pool.request(address, request_frames("shuffle-x", run, batch))
+        reused = server.buffers.reused
+    assert reused == (3 if copies else 0)
+    assert (len(set(receiver.payloads)) == 1) == copies
+    for _, run, got in receiver.got:
+        want = [s for p in sent[run] for s in unpack_blocking(p, F8)]
+        assert [(o, i) for o, i, _ in got] == [(o, i) for o, i, _ in want]
+        for (_, _, a), (_, _, b) in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
+@gen_test()
+async def test_a_refused_payload_is_not_read_into_again():
+    """A handler that raised may still be reading its batch (a thread it started): its
+    payload's buffer is never lent again."""
+    receiver = Receiver(refuse={0: RechunkRunError("refused")})
+    async with serving(receiver) as (server, address, pool):
+        with pytest.raises(RechunkRunError, match="refused"):
+            await pool.request(address, request_frames("shuffle-x", 0, batch_of("f8", 0)))
+        await pool.request(address, request_frames("shuffle-x", 1, batch_of("f8", 1)))
+        assert server.buffers.reused == 0 and server.buffers.free_bytes == 0
