@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import dask
 import dask.array as da
@@ -292,6 +293,21 @@ async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
     assert len(closed) >= 2 and all(before > 0 and after == 0 for before, after in closed)
     assert not any(p.receive_buffers.free_bytes for p in planes)  # (let go as well)
     await _check(c, s, [a, b], x, (40, 5))  # connections are opened again
+
+
+@gen_cluster(client=True, nthreads=NTHREADS_2)
+async def test_the_setup_imports_what_tasks_need_on_the_worker_loop(c, s, a, b, monkeypatch):
+    """Each worker imports the task modules in its event loop's thread, where distributed
+    decodes tasks: in a thread beside it, a concurrent import of zarr could leave both
+    with a half-initialised module (see rechunk_p2p.worker.imports)."""
+    from rechunk_p2p.worker import plugin as plugin_module
+
+    threads = []
+    monkeypatch.setattr(
+        plugin_module, "import_task_modules_blocking", lambda: threads.append(threading.get_ident())
+    )
+    await rechunk_p2p.register(c)
+    assert threads == [threading.get_ident()] * 2  # (gen_cluster's workers share its loop)
 
 
 @gen_cluster(

@@ -1,12 +1,22 @@
-"""The modules a worker's tasks need, imported in a thread before the first task comes.
+"""The modules a worker's tasks need, imported when the engine is set up on the worker.
 
-Where it runs: an offload thread, awaited by the worker plugin's setup.
+Where it runs: the worker's event loop, in the worker plugin's setup (once per process;
+later calls cost nothing).
 
 distributed decodes a task message on the worker's event loop, importing what the task's
 pickle names; the first rechunk task would import dask.array (which pulls in xarray and
-pandas where they are installed) and zarr there: 0.4-0.6 s of a stalled loop, once per
-worker process (a local cluster's workers, started light, import them on their first
-task).
+pandas where they are installed) and zarr there, in the middle of a rechunk: 0.4-0.6 s of a
+stalled loop, once per worker process (a local cluster's workers, started light, import
+them on their first task). Imported at the setup instead, the stall falls before the first
+rechunk, usually while the client still builds its graph.
+
+Not in a thread beside the loop: importing a package in two threads at once can deadlock
+inside Python's import system when the package imports itself circularly (zarr does), and
+Python then hands one of them a half-initialised module. A worker that imported zarr in a
+thread while its loop decoded the first tasks, which name ``zarr.core.array``, failed both
+("cannot import name ... from partially initialized module 'zarr.core.array'"): the setup
+failed and the worker's stream to the scheduler closed (seen once in the demo on a fresh
+machine, 2 workers: the run went on with one).
 """
 
 from __future__ import annotations

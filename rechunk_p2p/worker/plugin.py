@@ -149,7 +149,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
             connections=settings.connections,
         )
         address = await self.offload.to_thread(self.dataplane.start_blocking)
-        await self.offload.to_thread(import_task_modules_blocking)  # not on the loop
+        # on the loop, where distributed decodes tasks: see rechunk_p2p.worker.imports
+        import_task_modules_blocking()
         worker.handlers["rechunk_p2p_worker_barrier"] = self._worker_barrier
         worker.stream_handlers["rechunk_p2p_close"] = self._close_handler
         worker.stream_handlers["rechunk_p2p_continue"] = self._continue_handler
