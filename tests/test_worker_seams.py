@@ -486,3 +486,30 @@ def test_a_task_on_a_closing_worker_does_not_install_the_plugin_again():
     worker = SimpleNamespace(plugins={}, status=Status.closing, address="tcp://w:1")
     with pytest.raises(StaleRunError, match="is closing"):
         plugin_for_task(worker)
+
+
+@gen_test()
+async def test_a_run_closed_while_a_transfer_cuts_is_stale_not_failed(seam, tmp_path):
+    """The run closes (restarted elsewhere) between a transfer's check and its write to the
+    run's store: the transfer raises StaleRunError, which the scheduler takes as a stale
+    task, not the store's "closed" error, which failed the rechunk (seen once in the
+    worker-loss benchmark)."""
+    loop = asyncio.get_running_loop()
+    async with seam("memory") as (_, _, plugins):
+        a = plugins[0]
+        await asyncio.to_thread(a.transfer_blocking, SHUFFLE, 0, input_chunk(0))
+        run = a.runs[SHUFFLE]
+        store = run._store
+        write_packed, write = store.write_packed_blocking, store.write_blocking
+
+        def close_first(write_fn):
+            def closing(batch):
+                asyncio.run_coroutine_threadsafe(run.close(), loop).result(10)
+                return write_fn(batch)
+
+            return closing
+
+        store.write_packed_blocking = close_first(write_packed)
+        store.write_blocking = close_first(write)
+        with pytest.raises(StaleRunError, match="closed while input 2 was cut"):
+            await asyncio.to_thread(a.transfer_blocking, SHUFFLE, 2, input_chunk(2))

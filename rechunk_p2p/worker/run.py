@@ -251,10 +251,15 @@ class WorkerRun:
         scratch = self._cuts.take(data.nbytes)
         try:
             local, remote = self._cutter.cut_blocking(run_spec, flat, data, scratch)
-            if isinstance(local, Packed):
-                nbytes = self._store.write_packed_blocking([local])
-            else:
-                nbytes = self._store.write_blocking(local) if local else 0
+            try:
+                if isinstance(local, Packed):
+                    nbytes = self._store.write_packed_blocking([local])
+                else:
+                    nbytes = self._store.write_blocking(local) if local else 0
+            except RechunkRunError as e:  # the run closed during the cut: stale, not failed
+                if self.phase is RunPhase.CLOSED and not isinstance(e, StaleRunError):
+                    raise StaleRunError(f"{self!r} closed while input {flat} was cut") from e
+                raise
             cut = time.perf_counter()
             if remote:
                 # the batches viewing the buffer hold it until they are delivered
