@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import pickle
+import socket
 import struct
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -144,6 +146,16 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+@functools.lru_cache(maxsize=4096)
+def _ip_family(host: str) -> socket.AddressFamily | None:
+    """The address family of ``host`` if it is an IP address, else ``None``."""
+    try:
+        version = ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+    return socket.AF_INET6 if version == 6 else socket.AF_INET
+
+
 class StreamPool:
     """**Loop-confined** (the data plane's loop). Outgoing streams, kept per address and
     reused; at most ``limit`` open at once beyond those carrying a request (opening one past
@@ -199,10 +211,7 @@ class StreamPool:
     async def _connect(self, address: str) -> IOStream:
         while len(self._open) >= self._limit and self._close_one_idle():
             pass
-        host, port = _host_port(address)
-        stream = await self._client.connect(
-            host, port, ssl_options=self._ssl, max_buffer_size=_MAX_BUFFER
-        )
+        stream = await self._open_stream(address)
         stream.set_nodelay(True)
         self._open.add(stream)
         # also makes tornado watch an idle stream, so one the peer closed leaves the pool
@@ -210,6 +219,23 @@ class StreamPool:
         if self._closed:  # closed while connecting
             self._discard(stream)
             raise StreamClosedError()
+        return stream
+
+    async def _open_stream(self, address: str) -> IOStream:
+        """A new stream to ``address``. An IP address is connected to directly: tornado's
+        client resolves every host in a thread first (a numeric one too) and races address
+        families, which was half of a connection's CPU on this machine (0.40 against
+        0.22 ms, both ends), paid once per peer, so ``W - 1`` times by each worker of a run."""
+        host, port = _host_port(address)
+        family = _ip_family(host)
+        if family is None:  # a host name
+            return await self._client.connect(
+                host, port, ssl_options=self._ssl, max_buffer_size=_MAX_BUFFER
+            )
+        stream = IOStream(socket.socket(family, socket.SOCK_STREAM), max_buffer_size=_MAX_BUFFER)
+        await stream.connect((host, port))  # (closes the socket if it fails)
+        if self._ssl is not None:
+            stream = await stream.start_tls(False, self._ssl, server_hostname=host)
         return stream
 
     def _close_one_idle(self) -> bool:

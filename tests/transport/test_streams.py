@@ -171,6 +171,37 @@ async def test_an_unreachable_peer_raises_oserror():
     pool.close()
 
 
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1"])
+@gen_test()
+async def test_a_peer_is_reached_by_host_name_ipv4_and_ipv6(host):
+    """IP addresses are connected to directly, host names through tornado's resolver."""
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    receiver = Receiver()
+    server = PieceServer(receiver)
+    bind = "::1" if host == "::1" else "127.0.0.1"
+    try:
+        port = server.listen_on(bind, 0, backlog=16)
+    except OSError:
+        pytest.skip(f"cannot listen on {bind}")
+    pool = StreamPool(limit=8)
+    if host != "localhost":  # (the resolver's path is not taken)
+
+        async def resolving(*args, **kwargs):
+            raise AssertionError("an IP address went through tornado's resolver")
+
+        pool._client.connect = resolving
+    address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    try:
+        for run in range(2):
+            await pool.request(address, request_frames("s", run, batch_of("f8", run)))
+        assert [r for _, r, _ in receiver.got] == [0, 1]
+        assert pool.idle == 1 and len(server._inbound) == 1
+    finally:
+        pool.close()
+        server.stop_all()
+
+
 class Copier(Receiver):
     """Copies each batch's pieces out, as the assembling store does, and says so (or not)."""
 
