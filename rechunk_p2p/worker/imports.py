@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import importlib
 
-#: What transfer, output and zarr write tasks unpickle into.
+#: What transfer, barrier, output and zarr write tasks unpickle into (the barrier and output
+#: tasks are classes of ``rechunk_p2p.graph``: a worker given none in its first runs, as most
+#: of a large cluster's are in a small one, imported it inside a later rechunk)
 TASK_MODULES = (
     "dask.array",
     "zarr",
+    "rechunk_p2p.graph",
     "rechunk_p2p.tasks",
     "rechunk_p2p.sources",
     "rechunk_p2p.integrations.zarr_writes",
