@@ -207,6 +207,7 @@ def test_many_workers_sweep_small(tmp_path: Path, capsys: pytest.CaptureFixture[
     for p in points:
         assert p["wall_s"] > 0 and p["cpu_s"] > 0 and p["scheduler_cpu_s"] > 0, p
         assert p["connections"] > 0 and p["fds"] > 0 and p["rss_peak"] > 0
+        assert p["probe_interval_ms"] == 20.0, p  # (the single benchmark's default: 5 ms)
     assert all(p["messages"] > 0 for p in points if p["impl"] == "rechunk_p2p")
     out = capsys.readouterr().out
     assert "rechunk_p2p / other" in out and "3 workers vs dask-p2p" in out
