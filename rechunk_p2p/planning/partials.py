@@ -173,16 +173,32 @@ class Partial:
         >>> starts.tolist(), lengths.tolist()
         ([[3, 0], [3, 0]], [[3, 2], [3, 2]])
         """
+        starts, lengths = self.places_of([input_], outputs)
+        return starts[0], lengths[0]
+
+    def places_of(
+        self, inputs: list[int], outputs: np.ndarray | range
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`places` of several inputs at once: arrays of shape
+        ``(len(inputs), len(outputs), ndim)``.
+
+        >>> p = Partial((0, 0), (0, 0), (0, 0), ((3, 3), (4,)), ((6,), (2, 2)))
+        >>> p.places_of([0, 1], range(2))[0][:, 0].tolist()
+        [[0, 0], [3, 0]]
+        """
+        flats = np.asarray(inputs, dtype=np.int64)
+        if len(flats) and (flats.min() < 0 or flats.max() >= self.n_inputs):
+            raise IndexError(f"Flat indices {inputs} outside grid {self.old_grid}")
+        local_in = np.unravel_index(flats, self.old_grid)
+        shape = (len(flats), len(outputs), self.ndim)
+        starts = np.empty(shape, dtype=np.int64)
+        lengths = np.empty(shape, dtype=np.int64)
         old = self._starts[0]
-        local_in = _unravel(input_, self.old_grid)
-        n = len(outputs)
-        starts = np.empty((n, self.ndim), dtype=np.int64)
-        lengths = np.empty((n, self.ndim), dtype=np.int64)
         for axis, (i, (begin, end)) in enumerate(zip(local_in, self._output_bounds(outputs))):
-            first, stop = old[axis][i], old[axis][i + 1]
+            first, stop = old[axis][i][:, None], old[axis][i + 1][:, None]
             lo = np.maximum(first, begin)
-            starts[:, axis] = lo - begin
-            lengths[:, axis] = np.minimum(stop, end) - lo
+            starts[:, :, axis] = lo - begin
+            lengths[:, :, axis] = np.minimum(stop, end) - lo
         return starts, lengths
 
     def _output_bounds(self, outputs: np.ndarray | range) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -21,7 +21,6 @@ runs (:class:`~rechunk_p2p.store.ledger.PieceLedger`), never an object per piece
 
 from __future__ import annotations
 
-import itertools
 import operator
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,11 +36,11 @@ from rechunk_p2p.store.base import (
     check_array,
     check_piece,
     closed_error,
-    copy_into_blocking,
     empty_output,
     touch_pages_blocking,
 )
-from rechunk_p2p.store.ledger import PieceLedger
+from rechunk_p2p.store.ledger import PieceLedger, ascends
+from rechunk_p2p.store.placing import FEW_PIECES, copy_inputs_blocking, copy_pieces_blocking
 from rechunk_p2p.transport.wire import Packed, unpack_blocking, unpack_blocks
 
 #: Outputs first reached by one batch share slabs when its pieces are at most this large:
@@ -50,8 +49,6 @@ from rechunk_p2p.transport.wire import Packed, unpack_blocking, unpack_blocks
 #: it, each output gets pages of its own, which the next output of its size takes over
 #: when it is freed.
 SLAB_PIECE_BYTES = 64 * 2**10
-#: Batches of at most this many pieces are checked and placed by a loop over them.
-_FEW_PIECES = 16
 #: A slab holds at most this many bytes (or one output): an output handed over keeps its
 #: slab alive, so a slab is the unit in which memory returns once outputs are consumed.
 SLAB_BYTES = 64 * 2**20
@@ -148,7 +145,7 @@ class AssemblingMemoryStore:
     ) -> np.ndarray:
         """Where input ``input_``'s pieces of ``shape`` start in outputs ``outs`` (``span``:
         the same, consecutive), after checking that each is that input's piece of its output."""
-        if len(outs) <= _FEW_PIECES:  # (a few numpy passes cost more than a loop then)
+        if len(outs) <= FEW_PIECES:  # (a few numpy passes cost more than a loop then)
             return self._few_places(outs.tolist(), input_, shape)
         self._check_outputs(outs, input_, span)
         starts, lengths = self._partial.places(input_, outs if span is None else span)
@@ -203,15 +200,75 @@ class AssemblingMemoryStore:
 
     def write_packed_blocking(self, batch: Iterable[Packed]) -> int:
         """Copy the pieces of batches as they came off the wire into their outputs (the
-        batches' payloads are not kept)."""
+        batches' payloads are not kept). Consecutive batches of several inputs for the same
+        outputs and of one shape (a message's batches from one sender to one worker, each
+        of its next input chunk) are written together (:meth:`_write_inputs_blocking`)."""
         accepted = 0
+        group: list[tuple[Packed, int, np.ndarray]] = []
         for packed in batch:
             regular = unpack_blocks(packed, self.dtype)
+            if group and not (
+                regular is not None
+                and packed.outputs == group[0][0].outputs
+                and regular[1].shape == group[0][2].shape
+            ):
+                accepted += self._write_group_blocking(group)
+                group = []
             if regular is None:
                 accepted += self.write_blocking(unpack_blocking(packed, self.dtype))
             else:
-                accepted += self.write_blocks_blocking(packed.outputs, *regular)
-        return accepted
+                group.append((packed, *regular))
+        return accepted + (self._write_group_blocking(group) if group else 0)
+
+    def _write_group_blocking(self, group: list[tuple[Packed, int, np.ndarray]]) -> int:
+        outputs = group[0][0].outputs
+        if len(group) == 1 or len(outputs) < 2 or group[0][2][0].nbytes > SLAB_PIECE_BYTES:
+            return sum(self.write_blocks_blocking(outputs, i, blocks) for _, i, blocks in group)
+        return self._write_inputs_blocking(
+            outputs, [i for _, i, _ in group], [blocks for _, _, blocks in group]
+        )
+
+    def _write_inputs_blocking(
+        self, outputs: Sequence[int], inputs: list[int], blocks: list[np.ndarray]
+    ) -> int:
+        """:meth:`write_blocks_blocking` of several inputs' pieces of the same ``outputs``
+        (``blocks[i]``: input ``inputs[i]``'s, all of one shape), checked, admitted and
+        accounted once for all of them: a batch costs a Python step and a few numpy passes
+        whatever its size, and at many workers a sender's message to one worker holds many
+        small batches. Where a pair was stored before, the inputs are written one by one."""
+        span = outputs if isinstance(outputs, range) and outputs.step == 1 else None
+        if span is not None:
+            outs = np.arange(span.start, span.stop, dtype=np.int64)
+        else:
+            outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
+        shape = blocks[0].shape[1:]
+        self._check_outputs(outs, min(inputs), span)
+        self._check_outputs(outs, max(inputs), span)
+        starts, lengths = self._partial.places_of(inputs, outs if span is None else span)
+        if (lengths != np.asarray(shape, dtype=np.int64)).any() or not all(n > 0 for n in shape):
+            for input_, found in zip(inputs, lengths):  # (raises for the first wrong piece)
+                self._check_places(outs, input_, found, shape)
+        each, k = blocks[0][0].nbytes, len(inputs)
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.kind, self.name, "write pieces")
+            ascending = span is not None or ascends(outs)
+            admitted = self._ledger.admit_inputs(inputs, outs, ascending)
+            if admitted:
+                at = _span(outs) if span is None else slice(span.start, span.stop)
+                arrays, slabs, slots, runs = self._begin_locked(inputs, outs, at, each)
+        if not admitted:  # (duplicates: rare)
+            return sum(
+                self._write_checked_blocking(i, outs, place, b, span)
+                for i, place, b in zip(inputs, starts, blocks)
+            )
+        done = False
+        try:
+            copy_inputs_blocking(arrays, slabs, slots, starts, blocks, runs)
+            done = True
+        finally:
+            self._finish(inputs, outs, at, each, done)
+        return each * len(outs) * k
 
     def _write_checked_blocking(
         self,
@@ -237,38 +294,54 @@ class AssemblingMemoryStore:
             # a run of consecutive outputs (the usual batch) is indexed by a slice: views,
             # where an index array costs a gather or scatter per bookkeeping array
             at = _span(outs) if span is None else slice(span.start, span.stop)
-            self._allocate_locked(outs, at, each)
-            taken = self._taken[at]
-            if taken.any():  # (late pieces: rare)
-                for output in outs[taken].tolist():
-                    self._late.setdefault(output, set()).add(input_)
-            slabs, slots = self._slab_of[at], self._slot_of[at]
-            firsts = np.flatnonzero(slabs[1:] != slabs[:-1]) + 1
-            kinds = set(slabs[firsts].tolist())
-            kinds.add(int(slabs[0]))
-            arrays = {sid: self._slabs[sid] for sid in kinds}
-            self._writing[at] += 1
+            arrays, slabs, slots, runs = self._begin_locked([input_], outs, at, each)
         done = False
         try:
-            runs = firsts if isinstance(at, slice) else None
-            _copy_blocking(arrays, slabs, slots, starts, blocks, runs)
+            copy_pieces_blocking(arrays, slabs, slots, starts, blocks, runs)
             done = True
         finally:
-            with self._lock:
-                self._writing[at] -= 1
-                if done:
-                    self._placed[at] += 1
-                    self._piece_bytes[at] += each
-                    self._ledger.stored(len(outs), each * len(outs))
-                else:
-                    self._ledger.forget_batch(input_, outs)
-                self._lock.notify_all()
+            self._finish([input_], outs, at, each, done)
         return each * len(outs)
+
+    def _begin_locked(
+        self, inputs: list[int], outs: np.ndarray, at: slice | np.ndarray, each: int
+    ) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
+        """Allocate admitted pieces' outputs and count a copy into them in progress: the
+        slabs, the outputs' slabs and slots, and (``at`` a slice) where runs of one slab
+        start, for :func:`~rechunk_p2p.store.placing.copy_pieces_blocking`."""
+        self._allocate_locked(outs, at, each)
+        taken = self._taken[at]
+        if taken.any():  # (late pieces: rare)
+            for output in outs[taken].tolist():
+                self._late.setdefault(output, set()).update(inputs)
+        slabs, slots = self._slab_of[at], self._slot_of[at]
+        firsts = np.flatnonzero(slabs[1:] != slabs[:-1]) + 1
+        kinds = set(slabs[firsts].tolist())
+        kinds.add(int(slabs[0]))
+        self._writing[at] += 1
+        runs = firsts if isinstance(at, slice) else None
+        return {sid: self._slabs[sid] for sid in kinds}, slabs, slots, runs
+
+    def _finish(
+        self, inputs: list[int], outs: np.ndarray, at: slice | np.ndarray, each: int, done: bool
+    ) -> None:
+        """A copy into outputs ``outs`` ended: account the pieces, or give their pairs back."""
+        with self._lock:
+            self._writing[at] -= 1
+            if done:
+                self._placed[at] += len(inputs)
+                self._piece_bytes[at] += each * len(inputs)
+                self._ledger.stored(len(outs) * len(inputs), each * len(outs) * len(inputs))
+            else:
+                for input_ in inputs:
+                    self._ledger.forget_batch(input_, outs)
+            self._lock.notify_all()
 
     def _allocate_locked(self, outs: np.ndarray, at: slice | np.ndarray, piece_bytes: int) -> None:
         """Allocate the outputs of ``outs`` (``at`` indexes them) that have no array yet: one
         slab per shape for small pieces (see :data:`SLAB_PIECE_BYTES`), else one array each.
-        A slab's slots follow its outputs' order (:func:`_copy_blocking` relies on it)."""
+        A slab's slots follow its outputs' order (the copies rely on it, see
+        :func:`~rechunk_p2p.store.placing.copy_pieces_blocking`)."""
         missing = self._slab_of[at] < 0
         if not missing.any():
             return
@@ -404,94 +477,3 @@ def _span(outs: np.ndarray) -> slice | np.ndarray:
     if int(outs[-1]) - first == n - 1 and (n < 3 or (np.diff(outs) == 1).all()):
         return slice(first, first + n)
     return outs
-
-
-def _copy_blocking(
-    arrays: dict[int, np.ndarray],
-    slabs: np.ndarray,
-    slots: np.ndarray,
-    starts: np.ndarray,
-    blocks: np.ndarray,
-    runs: np.ndarray | None = None,
-) -> None:
-    """Copy piece ``blocks[k]`` to ``arrays[slabs[k]][slots[k]]`` at ``starts[k]``: one
-    strided copy for the pieces of one slab that have one place in their outputs, one copy
-    per piece in an output of its own. ``runs``: the pieces' outputs ascend, and each of
-    these positions starts a run of pieces in one slab; their slots in a slab then ascend
-    too (see :meth:`AssemblingMemoryStore._allocate_locked`)."""
-    shape = blocks.shape[1:]
-    if len(blocks) <= _FEW_PIECES:
-        _copy_few_blocking(arrays, slabs.tolist(), slots.tolist(), starts.tolist(), blocks)
-        return
-    if all(len(arrays[sid]) == 1 for sid in arrays):  # outputs of their own: piece by piece
-        for k, (sid, place) in enumerate(zip(slabs.tolist(), starts.tolist())):
-            region = tuple(slice(p, p + n) for p, n in zip(place, shape))
-            copy_into_blocking(arrays[sid][(0, *region)], blocks[k])
-        return
-    groups: list[tuple[np.ndarray | slice, np.ndarray]]
-    ascending = runs is not None
-    one_place = (starts == starts[0]).all()
-    if one_place and runs is None:
-        change = slabs[1:] != slabs[:-1]
-        if change.any() and not (slabs[1:] >= slabs[:-1]).all():
-            one_place = False
-        else:
-            runs = np.flatnonzero(change) + 1
-    if one_place:
-        # one place (the usual batch): a run of rows per slab
-        bounds = [0, *runs.tolist(), len(slabs)]
-        groups = [
-            (slice(a, b), np.concatenate(([slabs[a]], starts[0])))
-            for a, b in itertools.pairwise(bounds)
-        ]
-    else:
-        key = np.column_stack((slabs, starts))
-        kinds, which = np.unique(key, axis=0, return_inverse=True)
-        order = np.argsort(which.reshape(-1), kind="stable")
-        bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(kinds) + 1))
-        groups = [(order[bounds[g] : bounds[g + 1]], kinds[g]) for g in range(len(kinds))]
-    for rows, (sid, *place) in groups:
-        slab = arrays[int(sid)]
-        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
-        chosen = slots[rows]
-        source = blocks[rows]
-        if len(slab) == 1:  # an output of its own: one copy per piece
-            for k in range(len(chosen)):
-                copy_into_blocking(slab[(0, *region)], source[k])
-            continue
-        lo, count = int(chosen[0]), len(chosen)
-        if int(chosen[-1]) - lo == count - 1 and (
-            ascending or count < 2 or (np.diff(chosen) == 1).all()
-        ):
-            slab[(slice(lo, lo + count), *region)] = source
-        else:
-            slab[(chosen, *region)] = source
-
-
-def _copy_few_blocking(
-    arrays: dict[int, np.ndarray],
-    slabs: list[int],
-    slots: list[int],
-    starts: list[list[int]],
-    blocks: np.ndarray,
-) -> None:
-    """:func:`_copy_blocking` of a few pieces, grouped by a loop: one copy per run of
-    consecutive slots of one slab and place, one per piece elsewhere."""
-    shape = blocks.shape[1:]
-    groups: dict[tuple, list[int]] = {}
-    for k, (sid, place) in enumerate(zip(slabs, starts)):
-        groups.setdefault((sid, *place), []).append(k)
-    for (sid, *place), rows in groups.items():
-        slab = arrays[sid]
-        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
-        first, last = rows[0], rows[-1]
-        lo = slots[first]
-        if (
-            len(rows) > 1
-            and last - first == len(rows) - 1
-            and all(slots[k] == lo + k - first for k in rows)
-        ):
-            slab[(slice(lo, lo + len(rows)), *region)] = blocks[first : last + 1]
-            continue
-        for k in rows:
-            copy_into_blocking(slab[(slots[k], *region)], blocks[k])

@@ -129,7 +129,8 @@ def _merge(
     return starts, ends
 
 
-def _increasing(values: np.ndarray) -> bool:
+def ascends(values: np.ndarray) -> bool:
+    """Whether ``values`` strictly ascend."""
     return len(values) < 2 or bool((values[1:] > values[:-1]).all())
 
 
@@ -178,7 +179,7 @@ class PieceLedger:
             _check_range(outs, input_)
         held = self._held.get(input_)
         if ascending is None:
-            ascending = _increasing(outs)
+            ascending = ascends(outs)
         if held is None and ascending:
             self._held[input_] = _runs(outs)
             return None
@@ -197,6 +198,35 @@ class PieceLedger:
             return None
         self.duplicates += int(len(outs) - fresh.sum())
         return fresh
+
+    def admit_inputs(self, inputs: Sequence[int], outputs: np.ndarray, ascending: bool) -> bool:
+        """Take the pairs of every input of ``inputs`` with every output of ``outputs`` (in
+        range, checked by the caller) when all of them are new, and say so; else take none
+        and return ``False`` (the caller then admits input by input, counting duplicates).
+        ``ascending``: whether ``outputs`` strictly ascend."""
+        if not ascending or len(set(inputs)) != len(inputs):
+            return False
+        held = self._held
+        outs = np.asarray(outputs, dtype=np.int64).reshape(-1)
+        seen = [input_ for input_ in inputs if input_ in held]
+        if seen:
+            lo, hi = int(outs[0]), int(outs[-1])
+            for input_ in seen:
+                starts, ends = held[input_]
+                k = bisect.bisect_right(starts, hi) - 1
+                if k >= 0 and ends[k] > lo and self._overlaps(input_, outs):
+                    return False
+        runs = _runs(outs)
+        for input_ in inputs:
+            had = held.get(input_)
+            held[input_] = runs if had is None else _merge(had, runs)
+        return True
+
+    def _overlaps(self, input_: int, outs: np.ndarray) -> bool:
+        """Whether a pair of ``input_`` with an output of ascending ``outs`` is held."""
+        starts, ends = (np.asarray(v) for v in self._held[input_])
+        k = np.searchsorted(starts, outs, side="right") - 1
+        return bool(((k >= 0) & (outs < ends[np.maximum(k, 0)])).any())
 
     def forget_batch(self, input_: int, outputs: np.ndarray) -> None:
         """Give admitted pairs back (their write failed; a retry may store them)."""

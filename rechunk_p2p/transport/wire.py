@@ -8,6 +8,7 @@ loop the same few operations whatever the number of pieces.
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | N
     if dtype.hasobject or not packed.regular:
         return None
     n, shape = len(packed.outputs), packed.shapes[0]
-    _check_payload(packed, n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    _check_payload(packed, n * math.prod(shape) * dtype.itemsize)
     return packed.inputs[0], packed.payload.view(dtype).reshape(n, *shape)
 
 

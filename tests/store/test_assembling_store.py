@@ -139,23 +139,23 @@ def test_wrong_pieces_are_refused_and_may_come_again() -> None:
 
 
 def test_take_waits_for_copies_in_progress_and_close_wakes_it(monkeypatch) -> None:
-    import rechunk_p2p.store.assembling as assembling
+    import rechunk_p2p.store.placing as placing
 
     partial = _partial((2, 4), (1, 4), (2, 4))
     store = _store(partial)
     started, release = threading.Event(), threading.Event()
-    real = assembling.copy_into_blocking
+    real = placing.copy_into_blocking
 
     def slow_copy(region, piece):
         started.set()
         release.wait(10)
         real(region, piece)
 
-    monkeypatch.setattr(assembling, "copy_into_blocking", slow_copy)
+    monkeypatch.setattr(placing, "copy_into_blocking", slow_copy)
     writer = threading.Thread(target=store.write_blocking, args=([(0, 0, np.ones((1, 4)))],))
     writer.start()
     assert started.wait(10)
-    monkeypatch.setattr(assembling, "copy_into_blocking", real)
+    monkeypatch.setattr(placing, "copy_into_blocking", real)
     store.write_blocking([(0, 1, np.full((1, 4), 2.0))])
     taken: list = []
     reader = threading.Thread(target=lambda: taken.append(store.take_output_blocking(0)))
