@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 from distributed.comm.addressing import parse_address, parse_host_port
 from tornado import netutil
-from tornado.iostream import IOStream, StreamClosedError
+from tornado.iostream import IOStream, SSLIOStream, StreamClosedError
 from tornado.tcpclient import TCPClient
 from tornado.tcpserver import TCPServer
 
@@ -52,6 +52,9 @@ _MAGIC = b"RP2P"
 _REQUEST = struct.Struct("<4sQQ")  # magic, header bytes, payload bytes
 _REPLY = struct.Struct("<4sBQ")  # magic, status (0: stored, 1: refused), body bytes
 _OK = _REPLY.pack(_MAGIC, 0, 0)
+
+#: Buffers one ``sendmsg`` call takes at most (Linux's ``IOV_MAX``)
+_GATHER = 1024
 
 #: Incoming bytes a stream may buffer beyond what is being read: none is buffered beyond a
 #: message here (payloads are read into their own buffer), so this only has to admit them
@@ -81,6 +84,38 @@ def request_frames(shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]) ->
 
 def _bytes_of(payload: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+
+
+def send_now(stream: IOStream, frames: list[Any]) -> list[memoryview]:
+    """Send what ``stream``'s socket takes of ``frames`` now, in one gathering ``sendmsg``
+    (per :data:`_GATHER` buffers), and return the rest (whole frames, or a frame's tail),
+    for tornado's buffered writes. A message's payloads are one buffer each (each batch
+    views the buffer its input was cut into); tornado's writes send them one system call
+    and one pass of its write loop each, a cost per batch where a message at many workers
+    holds many small ones. TLS streams, and a stream with writes pending, send nothing here.
+
+    Raises ``OSError`` when the connection failed.
+    """
+    views = [memoryview(f).cast("B") for f in frames]
+    if isinstance(stream, SSLIOStream) or stream.writing() or stream.closed():
+        return views
+    sock, k = stream.socket, 0
+    while k < len(views):
+        chunk = views[k : k + _GATHER]
+        try:
+            sent = sock.sendmsg(chunk)
+        except (BlockingIOError, InterruptedError):
+            break
+        whole = sent == sum(len(v) for v in chunk)
+        while sent:
+            if sent >= len(views[k]):
+                sent -= len(views[k])
+                k += 1
+            else:
+                views[k], sent = views[k][sent:], 0
+        if not whole:  # (the socket's buffer is full)
+            break
+    return views[k:]
 
 
 async def read_request(
@@ -188,8 +223,9 @@ class StreamPool:
         connection failures raise :class:`OSError`."""
         stream = self._take_idle(address) or await self._connect(address)
         try:
-            writes = [stream.write(f) for f in frames]
-            await asyncio.gather(*writes)
+            rest = send_now(stream, frames)
+            if rest:
+                await asyncio.gather(*[stream.write(f) for f in rest])
             await read_reply(stream)
         except BaseException:
             self._discard(stream)

@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from distributed.utils_test import gen_test
+from tornado.iostream import IOStream
 
 from rechunk_p2p.errors import RechunkRunError
-from rechunk_p2p.transport.streams import PieceServer, StreamPool, request_frames
+from rechunk_p2p.transport.streams import PieceServer, StreamPool, request_frames, send_now
 from rechunk_p2p.transport.wire import Packed, pack_blocking, unpack_blocking
 
 
@@ -77,6 +78,57 @@ async def test_batches_arrive_whole_on_one_reused_connection():
                 ):
                     assert (o, i) == (o2, i2)
                     np.testing.assert_array_equal(a, b)
+
+
+@gen_test()
+async def test_a_message_of_many_payloads_arrives_whole():
+    # more payloads than one sendmsg takes, more bytes than a socket's buffer holds: part
+    # sent gathered, the rest through tornado's buffered writes
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 40_000, size=1_500)
+    batch = [
+        pack_blocking([(k, k, rng.integers(0, 255, size=int(n)).astype("u1"))], np.dtype("u1"))
+        for k, n in enumerate(sizes)
+    ]
+    receiver = Receiver()
+    async with serving(receiver) as (_, address, pool):
+        await pool.request(address, request_frames("s", 0, batch))
+        await pool.request(address, request_frames("s", 1, batch[:3]))
+    ((_, _, got), (_, _, again)) = receiver.got
+    assert len(got) == len(batch) and len(again) == 3
+    for want, back in zip(batch, got):
+        assert back.inputs == want.inputs and bytes(back.payload) == bytes(want.payload)
+
+
+@gen_test()
+async def test_send_now_sends_what_the_socket_takes_and_returns_the_rest_in_order():
+    here, there = socket.socketpair()
+    stream = IOStream(here)
+    try:
+        frames = [bytes([k]) * 100_000 for k in range(64)]  # more than the socket's buffer
+        whole = b"".join(frames)
+        rest = send_now(stream, frames)
+        left = sum(len(r) for r in rest)
+        assert 0 < left < len(whole)
+        assert b"".join(bytes(r) for r in rest) == whole[len(whole) - left :]
+        there.setblocking(True)
+        got = bytearray()
+        while len(got) < len(whole) - left:
+            got += there.recv(len(whole) - left - len(got))
+        assert bytes(got) == whole[: len(whole) - left]
+        writes = [stream.write(r) for r in rest]
+        assert stream.writing()  # a write pending: the next frames wait behind it
+        assert [bytes(v) for v in send_now(stream, [b"after"])] == [b"after"]
+
+        def receive_rest() -> None:  # (in a thread: the loop writes meanwhile)
+            while len(got) < len(whole):
+                got.extend(there.recv(len(whole) - len(got)))
+
+        await asyncio.gather(asyncio.to_thread(receive_rest), *writes)
+        assert bytes(got) == whole
+    finally:
+        stream.close()
+        there.close()
 
 
 @gen_test()
