@@ -129,6 +129,13 @@ def _merge(
     return starts, ends
 
 
+def _held_in(runs: tuple[list[int], list[int]], outs: np.ndarray) -> np.ndarray:
+    """Whether each of ``outs`` lies in one of the disjoint ``runs`` (starts, ends)."""
+    starts, ends = np.asarray(runs[0]), np.asarray(runs[1])
+    k = np.searchsorted(starts, outs, side="right") - 1
+    return (k >= 0) & (outs < ends[np.maximum(k, 0)])
+
+
 def ascends(values: np.ndarray) -> bool:
     """Whether ``values`` strictly ascend."""
     return len(values) < 2 or bool((values[1:] > values[:-1]).all())
@@ -185,9 +192,7 @@ class PieceLedger:
             return None
         fresh = np.ones(len(outs), dtype=bool)
         if held is not None and held[0]:
-            starts, ends = np.asarray(held[0]), np.asarray(held[1])
-            k = np.searchsorted(starts, outs, side="right") - 1
-            fresh &= ~((k >= 0) & (outs < ends[np.maximum(k, 0)]))
+            fresh &= ~_held_in(held, outs)
         if not ascending:
             once = np.zeros(len(outs), dtype=bool)
             once[np.unique(outs, return_index=True)[1]] = True
@@ -214,19 +219,13 @@ class PieceLedger:
             for input_ in seen:
                 starts, ends = held[input_]
                 k = bisect.bisect_right(starts, hi) - 1
-                if k >= 0 and ends[k] > lo and self._overlaps(input_, outs):
+                if k >= 0 and ends[k] > lo and _held_in(held[input_], outs).any():
                     return False
         runs = _runs(outs)
         for input_ in inputs:
             had = held.get(input_)
             held[input_] = runs if had is None else _merge(had, runs)
         return True
-
-    def _overlaps(self, input_: int, outs: np.ndarray) -> bool:
-        """Whether a pair of ``input_`` with an output of ascending ``outs`` is held."""
-        starts, ends = (np.asarray(v) for v in self._held[input_])
-        k = np.searchsorted(starts, outs, side="right") - 1
-        return bool(((k >= 0) & (outs < ends[np.maximum(k, 0)])).any())
 
     def forget_batch(self, input_: int, outputs: np.ndarray) -> None:
         """Give admitted pairs back (their write failed; a retry may store them)."""
