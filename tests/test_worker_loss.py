@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import tempfile
 import time
 
 import dask.array as da
@@ -130,22 +131,28 @@ def _counters(dask_scheduler) -> dict:
     }
 
 
-def _stretch_unpacks() -> None:
-    """In a worker process: each unpack task takes 30 ms longer (a race injected, so that
-    a kill seen in the unpack phase lands in it: unpacks alone take a few ms, and the run
-    closes once the last one is done)."""
+def _gate_unpacks(gate: str) -> None:
+    """In a worker process: the first unpack task runs (so that some outputs are done before
+    the kill, the victim's among them), every later one waits until the file ``gate`` exists
+    (a race injected: the test creates it after the kill, so a kill seen in the unpack phase
+    lands in it however long the test takes to see the phase on a loaded machine; unpacks
+    alone take a few ms, and the run closes once the last one is done)."""
     from rechunk_p2p.worker.plugin import RechunkWorkerPlugin
 
-    unpack = RechunkWorkerPlugin.unpack_blocking
-    if getattr(unpack, "stretched", False):
-        return
+    unpack = getattr(RechunkWorkerPlugin.unpack_blocking, "ungated", None)
+    unpack = unpack or RechunkWorkerPlugin.unpack_blocking
+    started = []
 
-    def slow_unpack(self, *args, **kwargs):
-        time.sleep(0.03)
+    def gated_unpack(self, *args, **kwargs):
+        if started:
+            deadline = time.monotonic() + TIMEOUT
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        started.append(True)
         return unpack(self, *args, **kwargs)
 
-    slow_unpack.stretched = True
-    RechunkWorkerPlugin.unpack_blocking = slow_unpack
+    gated_unpack.ungated = unpack
+    RechunkWorkerPlugin.unpack_blocking = gated_unpack
 
 
 def _stretch_held_transfers() -> None:
@@ -170,33 +177,38 @@ def _kill_during(client, phase: str, seed: int, rows: int = 20, held: bool = Fal
     """Kill a worker in ``phase`` of a rechunk of inputs of ``rows`` rows (20: one transfer
     each; 5: three joined in each transfer; ``held``: persisted first, several chunks of one
     worker in each transfer); the scheduler plugin's counters after it."""
-    if phase == "unpack":
-        client.run(_stretch_unpacks)
-    pids = _pids(client)  # before: a round trip less between seeing the phase and the kill
-    x = _source(seed, rows, slow=not held)
-    if held:
-        client.run(_stretch_held_transfers)
-        x = client.persist(x)
-        wait(x)
-    # bystander: fewer output chunks than workers, so one worker owns none
-    target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
-    joined = rechunk_p2p.plan(x, target, n_workers=3).groups
-    if not held:  # (held chunks are joined where neighbours sit on one worker)
-        assert (joined is not None) == (rows == JOINED_ROWS), joined
-    y = rechunk_p2p.rechunk(x, target)
-    if held:
-        barrier = next(k for k in y.__dask_graph__() if str(k).startswith("rechunk_p2p-barrier"))
-        groups = y.__dask_graph__()[barrier].spec.transfer_groups
-        assert groups is not None and len(groups) < 240, groups
-    if phase == "unpack":
-        y = y.map_blocks(_slow_check_input, meta=np.empty((0, 0), DTYPE))
-    ok = checked(y, _workload_like())
-    future = client.compute(ok)
-    deadline = time.monotonic() + TIMEOUT
-    victim = _wait_for_phase(client, phase, deadline)
-    os.kill(pids[victim], signal.SIGKILL)
-    assert bool(future.result(timeout=max(deadline - time.monotonic(), 1))) is True
-    del future
+    with tempfile.TemporaryDirectory(prefix="rechunk-p2p-gate-") as gate_dir:
+        gate = os.path.join(gate_dir, "killed")  # created once the victim is dead
+        if phase == "unpack":
+            client.run(_gate_unpacks, gate)
+        pids = _pids(client)  # before: a round trip less between seeing the phase and the kill
+        x = _source(seed, rows, slow=not held)
+        if held:
+            client.run(_stretch_held_transfers)
+            x = client.persist(x)
+            wait(x)
+        # bystander: fewer output chunks than workers, so one worker owns none
+        target = (SHAPE[0], SHAPE[1] // 2) if phase == "bystander" else (SHAPE[0], 50)
+        joined = rechunk_p2p.plan(x, target, n_workers=3).groups
+        if not held:  # (held chunks are joined where neighbours sit on one worker)
+            assert (joined is not None) == (rows == JOINED_ROWS), joined
+        y = rechunk_p2p.rechunk(x, target)
+        if held:
+            graph = y.__dask_graph__()
+            barrier = next(k for k in graph if str(k).startswith("rechunk_p2p-barrier"))
+            groups = graph[barrier].spec.transfer_groups
+            assert groups is not None and len(groups) < 240, groups
+        if phase == "unpack":
+            y = y.map_blocks(_slow_check_input, meta=np.empty((0, 0), DTYPE))
+        ok = checked(y, _workload_like())
+        future = client.compute(ok)
+        deadline = time.monotonic() + TIMEOUT
+        victim = _wait_for_phase(client, phase, deadline)
+        os.kill(pids[victim], signal.SIGKILL)
+        with open(gate, "w"):
+            pass
+        assert bool(future.result(timeout=max(deadline - time.monotonic(), 1))) is True
+        del future
     return client.run_on_scheduler(_counters)
 
 
