@@ -44,10 +44,11 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert min(r["connections_at_end"].values()) > 0  # at least the scheduler's
         assert 0 < sum(r["task_cpu_s"].values()) <= sum(r["worker_cpu_s"].values()) + 0.5
         if r["impl"] != "dask-tasks":  # (no transfer or barrier there)
-            assert 0 <= r["to_first_transfer_s"] < r["wall_s"], r
             # (workers' task times, on the scheduler's clock by distributed's estimate of
-            # each worker's offset: a few ms off between workers on a busy machine)
-            assert -0.05 <= r["barrier_to_last_output_s"] < r["wall_s"], r
+            # each worker's offset, from the middle of a heartbeat's round trip: off by up
+            # to half of one, 0.14 s seen while the default test run loaded the machine)
+            assert -0.5 <= r["to_first_transfer_s"] < r["wall_s"] + 0.5, r
+            assert -0.5 <= r["barrier_to_last_output_s"] < r["wall_s"] + 0.5, r
     ours = [r for r in doc["runs"] if r["impl"] == "rechunk_p2p"]
     assert all(r["messages_sent"] > 0 and r["bytes_sent"] > 0 for r in ours)
     assert doc["runs"][1]["phases_s"] is None  # dask's own methods have no engine phases

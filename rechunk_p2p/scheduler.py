@@ -29,6 +29,7 @@ from rechunk_p2p.recovery import (
     SchedulerRun,
     transfer_chain,
 )
+from rechunk_p2p.scheduler_tuning import SchedulerTuning
 from rechunk_p2p.settings import SchedulerSettings
 from rechunk_p2p.spec import (
     BARRIER_PREFIX,
@@ -87,6 +88,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         self.waves = TransferWaves()
         self.finished: deque[FinishedRun] = deque(maxlen=FINISHED_KEPT)  # for the dashboard
         self.errors: Counter[str] = Counter()  # transfers and barriers that erred, by type
+        self.tuning: SchedulerTuning | None = None
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -102,6 +104,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
             return
         scheduler.add_plugin(self, name=self.name, idempotent=True)
         self.scheduler = scheduler
+        self.tuning = SchedulerTuning(lambda: scheduler.tasks, lambda: bool(self.active))
         metrics.register_scheduler(self)  # on /metrics, where prometheus_client is installed
         dashboard.install(scheduler)  # the /rechunk-p2p page, where bokeh is installed
         scheduler.handlers.update(
@@ -141,24 +144,29 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         A graph with a rechunk in it also tells every worker to freeze its objects now
         (:meth:`ProcessTuning.freeze_early`), ahead of the graph's first task message on the
         same stream: the tasks before the rechunk's own (a reduction of the input, say) come
-        in thousands, and their allocations set off full collections of the whole heap.
+        in thousands, and their allocations set off full collections of the whole heap. The
+        scheduler's own process is frozen likewise (:class:`SchedulerTuning`).
 
         A transfer task whose input is held already, at least in part (a persisted chunk,
         or one a derived input reads), is restricted loosely to the worker that holds most
         of it (:func:`~rechunk_p2p.waves.new_transfers`), so that distributed does not move
         it there.
         """
-        if tasks and any(isinstance(k, str) and k.startswith(BARRIER_PREFIX) for k in tasks):
+        if not tasks:
+            return
+        settings = SchedulerSettings.read()
+        barriers = [k for k in tasks if isinstance(k, str) and k.startswith(BARRIER_PREFIX)]
+        if barriers:
+            if settings.process_tuning and self.tuning is not None:
+                self.tuning.graph(barriers)
             msg = {"op": "rechunk_p2p_expect"}
             workers = [ws.address for ws in scheduler.running]
             scheduler.send_all({}, {w: [msg] for w in workers if w in scheduler.stream_comms})
-        if not tasks:
-            return
         held, roots = new_transfers(scheduler, tasks)
         for key in held:  # transfers of inputs held already run where the inputs are
             scheduler.tasks[key].loose_restrictions = True
         scheduler.set_restrictions(held)
-        limit = SchedulerSettings.read().assign_transfers
+        limit = settings.assign_transfers
         if limit <= 0 or not roots:
             return
         pins = assign_round_robin(
@@ -455,6 +463,10 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         streams = self.scheduler.stream_comms
         self.scheduler.send_all({}, {w: [msg] for w in run.workers if w in streams})
         return run
+
+    async def close(self) -> None:
+        if self.tuning is not None:
+            self.tuning.stop()
 
     def restart(self, scheduler: Any) -> None:
         self.active.clear()

@@ -49,11 +49,15 @@ class SchedulerSettings:
     """**Immutable.** The settings the scheduler plugin reads for each graph."""
 
     assign_transfers: int
+    process_tuning: bool
 
     @classmethod
     def read(cls) -> SchedulerSettings:
         """The current settings, checked (see :meth:`ClientSettings.read`)."""
-        return cls(assign_transfers=config.get_count("scheduler.assign-transfers"))
+        return cls(
+            assign_transfers=config.get_count("scheduler.assign-transfers"),
+            process_tuning=_flag("scheduler.process-tuning"),
+        )
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,11 @@ NTHREADS_2 = [("127.0.0.1", 1), ("127.0.0.1", 1)]
 
 @pytest.fixture(autouse=True)
 def _short_idle(monkeypatch):
-    """The in-process workers here count a second without tasks as idle (5 s in a real
-    worker): the tests that wait for the idle unfreeze wait less."""
+    """The in-process workers (and the scheduler) here count a second without tasks (or a
+    rechunk) as idle (5 s by default): the tests that wait for the idle unfreeze wait
+    less."""
     monkeypatch.setattr("rechunk_p2p.worker.idle.UNFREEZE_IDLE_SECONDS", 1.0)
+    monkeypatch.setattr("rechunk_p2p.scheduler_tuning.IDLE_SECONDS", 1.0)
 
 
 def _runs(worker) -> dict:

@@ -1,8 +1,11 @@
-"""Interpreter settings a worker process runs rechunks under, applied while runs are open.
+"""Interpreter settings a worker process runs rechunks under, applied while runs are open
+(and the freeze of objects alone, which the scheduler's process holds while a rechunk is on
+the scheduler: :mod:`rechunk_p2p.scheduler_tuning`).
 
-Where it runs: any thread of a worker process (the settings are process-wide; the state is
-guarded by a lock): the worker plugin's loop when a run opens or closes, task threads when a
-transfer arrives, and whichever thread runs a full garbage collection.
+Where it runs: any thread of a worker or scheduler process (the settings are process-wide;
+the state is guarded by a lock): the worker plugin's loop when a run opens or closes, task
+threads when a transfer arrives, the scheduler's loop, and whichever thread runs a full
+garbage collection.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class ProcessTuning:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
+        self._freezers = 0  # holders of the freeze alone (a scheduler, see hold_freeze)
         self._switch: float | None = None
         self._frozen = False  # objects frozen (by a run, or early), not yet unfrozen
         self._collecting = False  # survivors of full collections are frozen too
@@ -90,10 +94,33 @@ class ProcessTuning:
             if interval is not None:
                 self._switch = sys.getswitchinterval()
                 sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
-            if freeze:  # O(1): moves the tracked objects aside, traverses nothing
-                gc.freeze()
-                gc.callbacks.append(_freeze_survivors)
-                self._frozen = self._collecting = True
+            if freeze:
+                self._freeze_collecting()
+
+    def _freeze_collecting(self) -> None:
+        """Freeze now, and the survivors of full collections from now on (holding the lock).
+        O(1): moves the tracked objects aside, traverses nothing."""
+        gc.freeze()
+        if not self._collecting:
+            gc.callbacks.append(_freeze_survivors)
+        self._frozen = self._collecting = True
+
+    def hold_freeze(self) -> None:
+        """Freeze the objects (and survivors of full collections) until
+        :meth:`release_freeze`, leaving the other settings alone: the scheduler's process,
+        while a rechunk is on the scheduler (it may host workers too: the freeze lasts until
+        neither holds it)."""
+        with self._lock:
+            self._freezers += 1
+            self._freeze_collecting()
+
+    def release_freeze(self) -> None:
+        """Undo one :meth:`hold_freeze` but the freeze itself (see :meth:`unfreeze_unused`)."""
+        with self._lock:
+            self._freezers -= 1
+            if not self._freezers and not self._users and self._collecting:
+                gc.callbacks.remove(_freeze_survivors)
+                self._collecting = False
 
     def release(self) -> Callable[[], None] | None:
         """A run closed; when it was the last, undo the settings but the freeze (see
@@ -106,7 +133,7 @@ class ProcessTuning:
             if self._switch is not None:
                 sys.setswitchinterval(self._switch)
                 self._switch = None
-            if self._collecting:
+            if self._collecting and not self._freezers:
                 gc.callbacks.remove(_freeze_survivors)
                 self._collecting = False
             unmap = None
@@ -127,15 +154,16 @@ class ProcessTuning:
         """A transfer task reached the worker: freeze the objects that exist, unless a run
         holds the settings already. O(1); undone by :meth:`unfreeze_unused`."""
         with self._lock:
-            if not self._users:
+            if not self._users and not self._freezers:
                 gc.freeze()
                 self._frozen = True
 
     @property
     def frozen_unused(self) -> bool:
-        """Objects are frozen and no run (or request for one) holds the settings."""
+        """Objects are frozen and no run (or request for one) holds the settings, nor any
+        holder the freeze."""
         with self._lock:
-            return self._frozen and not self._users
+            return self._frozen and not self._users and not self._freezers
 
     def freeze_for_exit(self) -> None:
         """The process is about to exit: freeze every object. Python's exit collects the
@@ -146,11 +174,11 @@ class ProcessTuning:
             self._frozen = True
 
     def unfreeze_unused(self, collect: bool = True) -> bool:
-        """When no run holds the settings: unfreeze, and if ``collect``, collect what the
-        runs left (a full collection, which stops every thread of the process; else the
-        interpreter's next one does). Returns whether it unfroze."""
+        """When no run holds the settings, nor a holder the freeze: unfreeze, and if
+        ``collect``, collect what the runs left (a full collection, which stops every thread
+        of the process; else the interpreter's next one does). Returns whether it unfroze."""
         with self._lock:
-            if self._users or not self._frozen:
+            if self._users or self._freezers or not self._frozen:
                 return False
             gc.unfreeze()
             self._frozen = False
