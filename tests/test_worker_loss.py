@@ -132,11 +132,12 @@ def _counters(dask_scheduler) -> dict:
 
 
 def _gate_unpacks(gate: str) -> None:
-    """In a worker process: the first unpack task runs (so that some outputs are done before
-    the kill, the victim's among them), every later one waits until the file ``gate`` exists
-    (a race injected: the test creates it after the kill, so a kill seen in the unpack phase
-    lands in it however long the test takes to see the phase on a loaded machine; unpacks
-    alone take a few ms, and the run closes once the last one is done)."""
+    """In a worker process: the first unpack task runs (so that in the unpack phase some
+    outputs are done before the kill, the victim's among them), every later one waits until
+    the file ``gate`` exists (a race injected: the test creates it after the kill, so a kill
+    seen in any phase lands in it, while the run is open, however long the test takes to
+    see the phase on a loaded machine; unpacks alone take a few ms, and the run closes once
+    the last one is done: a kill after that starts a new run)."""
     from rechunk_p2p.worker.plugin import RechunkWorkerPlugin
 
     unpack = getattr(RechunkWorkerPlugin.unpack_blocking, "ungated", None)
@@ -179,8 +180,7 @@ def _kill_during(client, phase: str, seed: int, rows: int = 20, held: bool = Fal
     worker in each transfer); the scheduler plugin's counters after it."""
     with tempfile.TemporaryDirectory(prefix="rechunk-p2p-gate-") as gate_dir:
         gate = os.path.join(gate_dir, "killed")  # created once the victim is dead
-        if phase == "unpack":
-            client.run(_gate_unpacks, gate)
+        client.run(_gate_unpacks, gate)  # the run stays open until the victim is dead
         pids = _pids(client)  # before: a round trip less between seeing the phase and the kill
         x = _source(seed, rows, slow=not held)
         if held:
