@@ -34,7 +34,7 @@ import numpy as np
 from dask._task_spec import GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, Layer
 
-from rechunk_p2p import tasks
+from rechunk_p2p import scheduler_tuning, tasks
 from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.holders import HeldChunks, group_holders, partial_transfers
 from rechunk_p2p.planning import Partial, RechunkPlan
@@ -215,6 +215,7 @@ class RechunkLayer(Layer):
         return self._graph
 
     def _construct(self) -> dict[Any, Any]:
+        scheduler_tuning.materializing()  # on a scheduler: before the allocations below
         dsk: dict[Any, Any] = {}
         kept = self._kept_by_partial()
         for partial in self.plan.partials:

@@ -8,6 +8,8 @@ watching task).
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,9 @@ class SchedulerTuning:
         self.held = False
         self._barriers: set[Any] = set()  # barrier keys of graphs not settled yet
         self._task: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def graph(self, barriers: list[Any]) -> None:
         """A graph with the rechunks of ``barriers`` arrived: freeze now (O(1)), before the
@@ -56,11 +61,21 @@ class SchedulerTuning:
         self._barriers.update(barriers)
         if not self.held:
             _process_tuning().hold_freeze()
-            self.held = True
-            self._task = asyncio.ensure_future(self._watch())
+            self._adopt()
+
+    def _adopt(self) -> None:
+        """Count a hold of the freeze taken (here, or by :func:`materializing`) as this
+        scheduler's, and watch for it to be idle; a hold beyond the one kept is given back."""
+        if self.held:
+            _process_tuning().release_freeze()
+            return
+        self.held = True
+        self._task = asyncio.ensure_future(self._watch())
 
     def stop(self) -> None:
         """The plugin's scheduler closes: give the objects back now."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
         if self._task is not None:
             self._task.cancel()
         self._release(collect=False)
@@ -107,3 +122,33 @@ def _process_tuning() -> ProcessTuning:
     from rechunk_p2p.worker.tuning import PROCESS_TUNING
 
     return PROCESS_TUNING
+
+
+_LIVE: weakref.WeakSet[SchedulerTuning] = weakref.WeakSet()  # this process's schedulers
+_LIVE_LOCK = threading.Lock()
+
+
+def materializing() -> None:
+    """A graph with a rechunk is being built in this process (any thread): where a scheduler
+    of the engine runs here, freeze now, and let it count the hold as its own.
+
+    The scheduler builds a submitted graph (materialization, then ``dask.order``) in a thread
+    of its own, before its plugins see the graph; with thousands of tasks the allocations
+    set off full collections of the process there, stops of its loop of 170-410 ms. Built
+    elsewhere in a process that hosts a scheduler (the client of a ``LocalCluster``), the
+    hold lasts until the scheduler has been idle for :data:`IDLE_SECONDS`.
+    """
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    if not live:
+        return
+    from rechunk_p2p.settings import SchedulerSettings
+
+    if not SchedulerSettings.read().process_tuning:
+        return
+    for tuning in live:
+        _process_tuning().hold_freeze()
+        try:
+            tuning._loop.call_soon_threadsafe(tuning._adopt)
+        except RuntimeError:  # its loop closed
+            _process_tuning().release_freeze()

@@ -110,6 +110,7 @@ def test_a_removed_setting_still_set_warns_once_and_is_ignored():
         ("client", "transfer-group-bytes", "lots", "lots"),
         ("client", "comm.run-buffer-bytes", "0B", "give a positive size or null"),
         ("scheduler", "scheduler.assign-transfers", -1, "whole number"),
+        ("scheduler", "scheduler.process-tuning", "on", "give true or false"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_key(side, key, value, message):
@@ -139,7 +140,7 @@ def test_the_settings_read_are_the_defaults_and_what_is_set():
     from rechunk_p2p.settings import ClientSettings, SchedulerSettings, WorkerSettings
 
     assert ClientSettings.read() == ClientSettings("auto", 64 * 2**20, 16 * 2**20, None)
-    assert SchedulerSettings.read().assign_transfers == 512
+    assert SchedulerSettings.read() == SchedulerSettings(512, True)
     worker = WorkerSettings.read()
     assert (worker.storage_memory_fraction, worker.direct_io) == (0.25, None)
     assert worker.connections == 512

@@ -173,3 +173,53 @@ def test_a_local_cluster_scheduler_gives_the_freeze_back_when_it_closes(monkeypa
         assert all(client.run(_is_frozen).values())  # the workers froze their own
     assert not tuning.held
     assert gc.get_freeze_count() == 0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_scheduler_freezes_while_it_builds_a_rechunk_graph(c, s, a, monkeypatch):
+    """The scheduler builds a submitted graph in its offload thread before any plugin sees
+    it: building a rechunk there freezes the process at once, and the scheduler's watch
+    takes the hold over."""
+    from rechunk_p2p import scheduler_tuning
+
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    tuning = s.plugins["rechunk-p2p"].tuning
+    calls = []
+    materializing = scheduler_tuning.materializing
+
+    def recorded():
+        materializing()
+        calls.append((threading.current_thread().name, gc.get_freeze_count()))
+
+    monkeypatch.setattr(scheduler_tuning, "materializing", recorded)
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    result = await c.compute(rechunk_p2p.rechunk(x, (20, 1)))
+    np.testing.assert_array_equal(result, np.arange(400).reshape(20, 20))
+    built = [frozen for name, frozen in calls if name.startswith("Dask-Offload")]
+    assert built and all(frozen > frozen_before for frozen in built), calls
+    await _until(lambda: not tuning.held)
+    assert gc.get_freeze_count() == frozen_before
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_graph_built_outside_a_rechunk_is_given_back_when_idle(c, s, a):
+    """Built in a process that hosts a scheduler but never submitted (the client of a
+    ``LocalCluster`` looking at a graph): the hold ends once the scheduler is idle."""
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    tuning = s.plugins["rechunk-p2p"].tuning
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    y = rechunk_p2p.rechunk(x, (20, 1))
+    frozen = await asyncio.to_thread(lambda: (dict(y.dask), gc.get_freeze_count())[1])
+    assert frozen > frozen_before  # at once, in the building thread
+    await _until(lambda: tuning.held)
+    await _until(lambda: not tuning.held)
+    assert gc.get_freeze_count() == frozen_before
+
+
+def test_building_a_graph_without_a_scheduler_here_leaves_the_process_alone():
+    before = gc.get_freeze_count()
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    assert len(dict(rechunk_p2p.rechunk(x, (20, 1)).dask)) > 0
+    assert gc.get_freeze_count() == before
