@@ -27,9 +27,10 @@ _SETTLED = frozenset({"memory", "erred", "released", "forgotten"})
 
 
 class SchedulerTuning:
-    """**Loop-confined** (the scheduler's loop). While the scheduler holds a rechunk's graph
-    or run, the objects of its process are frozen out of full garbage collections, and so
-    are the survivors of each full collection
+    """**Loop-confined** (the scheduler's loop; :func:`materializing` reaches it from any
+    thread). While the scheduler builds or holds a rechunk's graph, or holds its run, the
+    objects of its process are frozen out of full garbage collections, and so are the
+    survivors of each full collection
     (:meth:`~rechunk_p2p.worker.tuning.ProcessTuning.hold_freeze`).
 
     A full collection walks every tracked object of the process and stops its threads,
