@@ -131,6 +131,7 @@ class RechunkLayer(Layer):
         group_bytes: int = 0,
     ) -> None:
         super().__init__(annotations=annotations)
+        scheduler_tuning.materializing()  # in a scheduler's process: before its submission
         if plan.groups is not None and sources is None and held is None:
             raise RechunkInputError(
                 f"Rechunk {token}: a plan that joins input chunks needs the tasks that make "

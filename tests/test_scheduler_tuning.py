@@ -223,3 +223,24 @@ def test_building_a_graph_without_a_scheduler_here_leaves_the_process_alone():
     x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
     assert len(dict(rechunk_p2p.rechunk(x, (20, 1)).dask)) > 0
     assert gc.get_freeze_count() == before
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_rechunk_layer_made_next_to_a_scheduler_freezes_before_its_submission(c, s, a):
+    """The client of a ``LocalCluster`` shares the scheduler's process: serializing and
+    submitting a graph of thousands of tasks there set off full collections before the
+    scheduler built it. The rechunk's layer, made before any of that, freezes already."""
+    from rechunk_p2p.graph import RechunkLayer
+
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    tuning = s.plugins["rechunk-p2p"].tuning
+    x = da.from_array(np.arange(400).reshape(20, 20), chunks=(1, 20))
+    y = rechunk_p2p.rechunk(x, (20, 1))
+    graph = y.__dask_graph__()
+    layers = [layer for layer in graph.layers.values() if isinstance(layer, RechunkLayer)]
+    assert layers and all(layer._graph is None for layer in layers)  # made, not built
+    assert gc.get_freeze_count() > frozen_before
+    await _until(lambda: tuning.held)
+    await _until(lambda: not tuning.held)  # never submitted: given back once idle
+    assert gc.get_freeze_count() == frozen_before
