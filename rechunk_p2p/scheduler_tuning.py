@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rechunk_p2p.settings import SchedulerSettings
+
 if TYPE_CHECKING:
     from rechunk_p2p.worker.tuning import ProcessTuning
 
@@ -143,11 +145,7 @@ def materializing() -> None:
     """
     with _LIVE_LOCK:
         live = list(_LIVE)
-    if not live:
-        return
-    from rechunk_p2p.settings import SchedulerSettings
-
-    if not SchedulerSettings.read().process_tuning:
+    if not live or not SchedulerSettings.read().process_tuning:
         return
     for tuning in live:
         _process_tuning().hold_freeze()
