@@ -97,6 +97,10 @@ async def test_tls_cluster(c, s, a, b):
     assert all(addr.startswith("tls://") for addr in addresses.values())
     arr = np.arange(30 * 30).reshape(30, 30)
     check_result(await c.compute(rechunk_p2p.rechunk(da.from_array(arr, (1, 30)), (30, 1))), arr)
+    # rows of 4 KiB: blocks of the input chunks, sent row by row (1 MiB a chunk)
+    wide = np.random.default_rng(3).random((256, 4096))
+    y = rechunk_p2p.rechunk(da.from_array(wide, (32, 4096)), (256, 512))
+    check_result(await c.compute(y), wide)
     await assert_clean(s, a, b)
 
 

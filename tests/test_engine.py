@@ -324,3 +324,57 @@ async def test_received_payloads_buffers_are_read_into_again(c, s, a, b):
     for worker in (a, b):
         buffers = worker.plugins["rechunk-p2p"].dataplane.receive_buffers
         assert buffers.reused > buffers.made > 0
+
+
+@pytest.fixture
+def cut_or_sent(monkeypatch):
+    """Counts of input chunks cut, and sent in place (as blocks of the chunk), on the
+    in-process workers."""
+    from rechunk_p2p.cutting.cutter import InputCutter
+
+    counts = {"cut": 0, "in place": 0}
+    cut, send = InputCutter.cut_blocking, InputCutter.send_in_place
+
+    def counted(name, method):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(InputCutter, "cut_blocking", counted("cut", cut))
+    monkeypatch.setattr(InputCutter, "send_in_place", counted("in place", send))
+    return counts
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4)
+async def test_wide_rows_go_in_place_from_held_and_made_chunks(
+    c, s, *workers, storage, cut_or_sent
+):
+    """Rows of 4 KiB into columns on 4 workers: with the memory store every input chunk's
+    pieces travel as blocks of the chunk itself, held or made (the disk store keeps what
+    it gets: cut); values as dask's either way."""
+    await rechunk_p2p.register(c)
+    x = da.random.default_rng(4).random((64, 2048), chunks=(8, 2048))
+    await _check(c, s, workers, x, (64, 128))
+    held = c.persist(x)
+    await _check(c, s, workers, held, (64, 128))
+    sent = 2 * x.numblocks[0]
+    if storage == "memory":
+        assert cut_or_sent == {"cut": 0, "in place": sent}
+    else:
+        assert cut_or_sent == {"cut": sent, "in place": 0}
+    del held
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_maps_into_series_in_place_block_by_grid_row(c, s, a, b, w3, cut_or_sent):
+    """Maps cut along two axes (4 x 2 tiles of 1 KiB rows) into series on 3 workers: a
+    worker's tiles of a map span grid rows, one block each; a map of Fortran order is cut."""
+    await rechunk_p2p.register(c)
+    x = da.random.default_rng(5).random((6, 64, 512), chunks=(1, 64, 512)).astype("f4")
+    await _check(c, s, [a, b, w3], x, (6, 16, 256))
+    assert cut_or_sent == {"cut": 0, "in place": 6}
+    fortran = x.map_blocks(np.asfortranarray)
+    await _check(c, s, [a, b, w3], fortran, (6, 16, 256))
+    assert cut_or_sent == {"cut": 6, "in place": 6}

@@ -46,6 +46,15 @@ def fast_retries(count: int = 5):
         yield
 
 
+def strided_chunk(flat: int) -> np.ndarray:
+    """:func:`input_chunk` as a view that is not C-contiguous: cut into a buffer, where a
+    C-contiguous chunk's pieces are sent in place (see rechunk_p2p.cutting.in_place)."""
+    chunk = input_chunk(flat)
+    spaced = np.zeros((chunk.shape[0], 2 * chunk.shape[1]), chunk.dtype)
+    spaced[:, ::2] = chunk
+    return spaced[:, ::2]
+
+
 def expected_output(flat: int, columns: int = COLUMNS) -> np.ndarray:
     full = np.concatenate([input_chunk(i) for i in range(ROWS)])
     width = 12 // columns
@@ -139,7 +148,7 @@ async def test_one_thread_cutting_input_after_input_keeps_each_batch_it_has_not_
         network.hold = asyncio.Event()
 
         def cut_all(plugin, inputs):
-            return [plugin.transfer_blocking(SHUFFLE, i, input_chunk(i)) for i in inputs]
+            return [plugin.transfer_blocking(SHUFFLE, i, strided_chunk(i)) for i in inputs]
 
         n = len(plugins)
         done = await asyncio.gather(
@@ -163,7 +172,7 @@ async def test_a_cut_buffer_is_used_again_once_its_batches_were_delivered(seam, 
             a, b = plugins
             for i in range(ROWS):
                 plugin = (a, b)[i % 2]
-                await asyncio.to_thread(plugin.transfer_blocking, SHUFFLE, i, input_chunk(i))
+                await asyncio.to_thread(plugin.transfer_blocking, SHUFFLE, i, strided_chunk(i))
                 cuts = plugin.runs[SHUFFLE]._cuts
                 while not cuts.free:  # delivered: the buffer is back
                     await asyncio.sleep(0.001)

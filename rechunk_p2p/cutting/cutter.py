@@ -12,10 +12,15 @@ from collections import defaultdict
 
 import numpy as np
 
+from rechunk_p2p.cutting.in_place import Block, plan_blocks
 from rechunk_p2p.cutting.joined import JoinedBlocks
-from rechunk_p2p.cutting.regular import cut_regular_blocking
+from rechunk_p2p.cutting.regular import cut_regular_blocking, regular_grid
 from rechunk_p2p.spec import RunSpec
-from rechunk_p2p.transport.wire import Packed, Piece, pack_blocking, pack_blocks
+from rechunk_p2p.transport.wire import Packed, Piece, pack_blocking, pack_blocks, pack_box
+
+#: Per worker position, the blocks of an input chunk that hold its pieces there; and the
+#: pieces' shape (see :meth:`InputCutter.in_place`)
+InPlace = tuple[tuple[int, ...], list[tuple[int, list[Block]]]]
 
 
 def position_in(run_spec: RunSpec, address: str) -> int:
@@ -42,6 +47,79 @@ class InputCutter:
         self._lock = threading.Lock()
         # (id of an outputs array, run id) -> (the array, its destinations): see _destinations
         self._sends: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
+        # (id of an outputs array, run id, the chunk's shape and itemsize) -> (the array,
+        # its blocks or None): see in_place
+        self._plans: dict[tuple, tuple[np.ndarray, InPlace | None]] = {}
+
+    def in_place(
+        self, run_spec: RunSpec, flat: int, data: np.ndarray | JoinedBlocks
+    ) -> InPlace | None:
+        """How input ``flat``'s chunk ``data`` sends its pieces without a cut (each worker's
+        as blocks of the chunk: :mod:`rechunk_p2p.cutting.in_place`), or ``None`` to cut it.
+
+        Only where this worker's store copies pieces into their outputs as they come (so
+        its own pieces need no copy of their own either), and for a C-contiguous chunk of
+        the run's dtype cut regularly. A peer whose store keeps what it is given (each
+        worker chooses its store) lays the pieces out one after another first
+        (:func:`~rechunk_p2p.transport.wire.in_order`). The plan is the same for every
+        chunk of one shape cut alike, and is kept per run as :meth:`_destinations` are.
+        """
+        spec = run_spec.spec
+        if not (
+            self._assembles
+            and isinstance(data, np.ndarray)
+            and data.dtype == spec.dtype
+            and not data.dtype.hasobject
+            and data.size
+            and data.ndim
+            and data.flags.c_contiguous
+        ):
+            return None
+        outputs = spec.partial.input_outputs(flat)
+        key = (id(outputs), run_spec.run_id, data.shape, data.itemsize)
+        if not run_spec.lineage:
+            with self._lock:
+                hit = self._plans.get(key)
+            if hit is not None and hit[0] is outputs:
+                return hit[1]
+        _, slices = spec.partial.input_cuts(flat)
+        slices = [[slice(None)] if a in spec.unknown_axes else s for a, s in enumerate(slices)]
+        grid = regular_grid(data.shape, slices, spec.partial.input_cut_lengths(flat))
+        plan: InPlace | None = None
+        if grid is not None:
+            counts, lengths = grid
+            sends = []
+            for position, chosen in self._destinations(run_spec, flat, outputs):
+                blocks = plan_blocks(data.shape, data.itemsize, counts, lengths, chosen)
+                if blocks is None:
+                    break
+                sends.append((position, blocks))
+            else:
+                plan = (tuple(lengths), sends)
+        if not run_spec.lineage:
+            with self._lock:
+                self._plans[key] = (outputs, plan)
+        return plan
+
+    def send_in_place(
+        self, run_spec: RunSpec, flat: int, data: np.ndarray, plan: InPlace
+    ) -> tuple[list[Packed], list[tuple[str, Packed]]]:
+        """:meth:`cut_blocking` without the cut, by ``plan`` (:meth:`in_place`): every
+        batch views a block of ``data``, this worker's as the others' (the store copies
+        its pieces into their outputs at once)."""
+        outputs = run_spec.spec.partial.input_outputs(flat)
+        me = position_in(run_spec, self.worker_address)
+        shape, sends = plan
+        local: list[Packed] = []
+        remote: list[tuple[str, Packed]] = []
+        for position, blocks in sends:
+            for chosen, slices, along in blocks:
+                packed = pack_box(outputs[chosen], flat, data[slices], along, shape)
+                if position == me:
+                    local.append(packed)
+                else:
+                    remote.append((run_spec.dataplanes[position], packed))
+        return local, remote
 
     def cut_blocking(
         self,
@@ -49,8 +127,9 @@ class InputCutter:
         flat: int,
         data: np.ndarray | JoinedBlocks,
         scratch: np.ndarray | None = None,
-    ) -> tuple[Packed | list[Piece], dict[str, Packed]]:
-        """The pieces of input ``flat`` that stay here, and one batch per other worker.
+    ) -> tuple[Packed | list[Piece], list[tuple[str, Packed]]]:
+        """The pieces of input ``flat`` that stay here, and one batch per other worker (with
+        its data plane's address).
 
         Regular cuts (pieces of one length along each axis, the usual case) are done for the
         whole chunk at once: one strided copy lays every piece out contiguously, grouped by
@@ -75,13 +154,13 @@ class InputCutter:
             return self._cut_each_blocking(run_spec, flat, data, outputs, slices, positions, me)
         local: list[Piece] = []
         here: Packed | None = None
-        remote: dict[str, Packed] = {}
+        remote: list[tuple[str, Packed]] = []
         for position, chosen in self._destinations(run_spec, flat, outputs):
             lo, hi = int(chosen[0]), int(chosen[-1]) + 1
             part = blocks[lo:hi] if hi - lo == len(chosen) else blocks[chosen]
             if position != me:
                 packed = pack_blocks(outputs[chosen], flat, part, spec.dtype)
-                remote[run_spec.dataplanes[position]] = packed
+                remote.append((run_spec.dataplanes[position], packed))
                 continue
             if not self._assembles:
                 # the store keeps it (memory, or the disk store's write buffer): a copy of
@@ -125,7 +204,7 @@ class InputCutter:
         slices: list[list[slice]],
         positions: np.ndarray,
         me: int,
-    ) -> tuple[list[Piece], dict[str, Packed]]:
+    ) -> tuple[list[Piece], list[tuple[str, Packed]]]:
         """:meth:`cut_blocking` piece by piece (irregular cuts, object dtype)."""
         copy_local = self.storage == "memory" and not self._assembles
         local: list[Piece] = []
@@ -143,4 +222,4 @@ class InputCutter:
             else:
                 remote[run_spec.dataplanes[position]].append((out, flat, view))
         dtype = run_spec.spec.dtype
-        return local, {addr: pack_blocking(pieces, dtype) for addr, pieces in remote.items()}
+        return local, [(addr, pack_blocking(pieces, dtype)) for addr, pieces in remote.items()]

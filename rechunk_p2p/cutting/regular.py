@@ -44,15 +44,10 @@ def cut_regular_blocking(
     dtype = data.dtype if dtype is None else np.dtype(dtype)
     if data.size == 0 or data.dtype.hasobject or not np.can_cast(data.dtype, dtype, "equiv"):
         return None
-    counts = [len(pieces) for pieces in slices]
-    if lengths is None or len(lengths) != len(slices):
-        lengths = [_one_length(pieces, n) for pieces, n in zip(slices, data.shape)]
-    elif any(len(p) == 1 for p in slices):  # (a whole-axis piece: unknown chunk sizes)
-        lengths = [n if len(p) == 1 else k for p, n, k in zip(slices, data.shape, lengths)]
-    if None in lengths:
+    grid = regular_grid(data.shape, slices, lengths)
+    if grid is None:
         return None
-    if [c * n for c, n in zip(counts, lengths)] != list(data.shape):
-        return None
+    counts, lengths = grid
     ndim = data.ndim
     order = [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]
     shape = [counts[a] for a in range(ndim)] + lengths
@@ -68,6 +63,28 @@ def cut_regular_blocking(
         split = np.asarray(data).reshape([v for pair in zip(counts, lengths) for v in pair])
         np.copyto(blocks, split.transpose(order), casting="equiv")
     return blocks.reshape(-1, *lengths)
+
+
+def regular_grid(
+    shape: tuple[int, ...], slices: list[list[slice]], lengths: list[int | None] | None = None
+) -> tuple[list[int], list[int]] | None:
+    """``(counts, lengths)``: how many pieces cut an array of ``shape`` along each axis,
+    and their one length there, when the cuts ``slices`` are regular (see
+    :func:`cut_regular_blocking`, which also says what ``lengths`` is); else ``None``.
+
+    >>> regular_grid((4, 6), [[slice(0, 2), slice(2, 4)], [slice(0, 6)]])
+    ([2, 1], [2, 6])
+    """
+    counts = [len(pieces) for pieces in slices]
+    if lengths is None or len(lengths) != len(slices):
+        found = [_one_length(pieces, n) for pieces, n in zip(slices, shape)]
+    elif any(len(p) == 1 for p in slices):  # (a whole-axis piece: unknown chunk sizes)
+        found = [n if len(p) == 1 else k for p, n, k in zip(slices, shape, lengths)]
+    else:
+        found = list(lengths)
+    if None in found or [c * n for c, n in zip(counts, found)] != list(shape):
+        return None
+    return counts, found  # type: ignore[return-value]
 
 
 def _one_length(pieces: list[slice], extent: int) -> int | None:

@@ -8,7 +8,10 @@ distributed has its workers give freed memory back to the system at once
 is made, and a first write to a page costs a fault (on virtual machines several
 microseconds). A run's task threads cut every input chunk into such an array, and its bytes
 live until the last batch cut into it has been delivered to its worker. Keeping those arrays
-and cutting the next input chunk into one that is free again costs no new pages.
+and cutting the next input chunk into one that is free again costs no new pages. (A chunk
+whose pieces go in place, :mod:`rechunk_p2p.cutting.in_place`, takes no buffer: with many
+workers, a worker's batches wait for a message's worth and its buffers are all in use at
+once, so that none is free again before the last input.)
 
 A batch is delivered when its receiver acknowledged it. The data plane's transport (TCP or
 TLS, also between workers of one process) gives the receiver bytes of its own, so from then

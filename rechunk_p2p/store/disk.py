@@ -61,7 +61,13 @@ from rechunk_p2p.store.files import (
     safe_name,
 )
 from rechunk_p2p.store.ledger import PieceLedger, pair_keys
-from rechunk_p2p.transport.wire import Packed, output_array, packed_sizes, unpack_blocking
+from rechunk_p2p.transport.wire import (
+    Packed,
+    in_order,
+    output_array,
+    packed_sizes,
+    unpack_blocking,
+)
 
 DATA_FILE = "pieces.bin"
 
@@ -199,6 +205,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
             return self.write_blocking(s for p in batch for s in unpack_blocking(p, self.dtype))
         total = 0
         for packed in batch:
+            packed = in_order(packed, self.dtype)  # (pieces one after another, as filed)
             sizes = packed_sizes(packed, self.dtype)
             if self._buffer_bytes > 0 and packed.regular:
                 total += self._append_block_blocking(packed, int(sizes[0]))

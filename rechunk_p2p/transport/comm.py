@@ -22,7 +22,7 @@ import random
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from rechunk_p2p.errors import RechunkCommError, RechunkRunError, StaleRunError
@@ -162,7 +162,7 @@ class CommBuffer:
         for limiter in self._limiters:
             limiter.add_before_wait(self._hand_on_quietly)
 
-    def put_blocking(self, batches: dict[str, Packed]) -> None:
+    def put_blocking(self, batches: Mapping[str, Packed] | Iterable[tuple[str, Packed]]) -> None:
         """From a task thread: queue packed pieces per destination.
 
         Holds their bytes under the run's and the worker's limits first, waiting only while
@@ -173,7 +173,7 @@ class CommBuffer:
         also goes when a thread must wait for room (:meth:`ByteLimiter.add_before_wait`),
         at the barrier (:meth:`flush`), and when the buffer stops.
         """
-        for address, packed in batches.items():
+        for address, packed in batches.items() if isinstance(batches, Mapping) else batches:
             self._raise_if_unusable()
             nbytes = packed.nbytes
             while not self._acquire_blocking(nbytes):

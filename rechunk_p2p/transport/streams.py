@@ -40,7 +40,7 @@ from tornado.tcpserver import TCPServer
 
 from rechunk_p2p.spec import RunId, ShuffleId
 from rechunk_p2p.transport.receive_buffers import ReceiveBuffers
-from rechunk_p2p.transport.wire import Packed
+from rechunk_p2p.transport.wire import Packed, payload_views
 
 logger = logging.getLogger(__name__)
 
@@ -68,22 +68,19 @@ class ProtocolError(ConnectionError):
 
 def request_frames(shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]) -> list[Any]:
     """The buffers of one request: prefix and header in one, then each payload (no copy)."""
-    payloads = [_bytes_of(p.payload) for p in batch]
+    payloads = [payload_views(p.payload) for p in batch]
     header = msgpack.packb(
         {
             "shuffle_id": shuffle_id,
             "run_id": run_id,
             "headers": [p.header() for p in batch],
-            "sizes": [len(v) for v in payloads],
+            "sizes": [p.nbytes for p in batch],
         },
         use_bin_type=True,
     )
-    total = sum(len(v) for v in payloads)
-    return [_REQUEST.pack(_MAGIC, len(header), total) + header, *(v for v in payloads if len(v))]
-
-
-def _bytes_of(payload: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+    total = sum(p.nbytes for p in batch)
+    views = (v for runs in payloads for v in runs if len(v))
+    return [_REQUEST.pack(_MAGIC, len(header), total) + header, *views]
 
 
 def send_now(stream: IOStream, frames: list[Any]) -> list[memoryview]:
@@ -224,8 +221,12 @@ class StreamPool:
         stream = self._take_idle(address) or await self._connect(address)
         try:
             rest = send_now(stream, frames)
-            if rest:
-                await asyncio.gather(*[stream.write(f) for f in rest])
+            while rest:  # the socket's buffer was full: one write, then gather again
+                if isinstance(stream, SSLIOStream):  # (send_now gathers nothing there)
+                    await asyncio.gather(*map(stream.write, rest))
+                    break
+                await stream.write(rest[0])
+                rest = send_now(stream, rest[1:])
             await read_reply(stream)
         except BaseException:
             self._discard(stream)

@@ -2,8 +2,10 @@
 
 Where it runs: task threads (``pack_blocking``) and the offload pool (``unpack_blocking``);
 never on an event loop. Packing turns every piece bound for one worker into one header of
-small integers and one contiguous payload, so that sending and receiving cost the data plane's
-loop the same few operations whatever the number of pieces.
+small integers and one payload, so that sending and receiving cost the data plane's loop the
+same few operations whatever the number of pieces. A payload is the pieces one after another,
+or a block of the input chunk that holds them side by side (:func:`pack_box`), sent from the
+chunk as it lies (:mod:`rechunk_p2p.cutting.in_place`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,12 +31,20 @@ class Packed:
     in ``payload`` (raw bytes, one piece after another; pickled arrays for object dtype).
     ``outputs`` is a tuple, or a ``range`` where they are consecutive (a regular cut's batch
     to one worker usually is: it then travels as two numbers).
+
+    ``along``: in a :attr:`regular` batch, the axis along which the pieces lie side by side
+    in ``payload``: its bytes are then one block of the input chunk in C order (the pieces'
+    shape with ``along`` times the count), sent from the input chunk as it is, no cut. 0,
+    the default, is the same as one piece after another. A sender's ``payload`` may then
+    be a strided view of the input chunk (``uint8``, its last axis contiguous: see
+    :func:`payload_views`); a received one is contiguous.
     """
 
     outputs: Sequence[int]
     inputs: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     payload: np.ndarray
+    along: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +69,8 @@ class Packed:
             else {"outputs": list(outputs)}
         )
         if self.regular:
-            return {**named, "input": self.inputs[0], "shape": list(self.shapes[0])}
+            regular = {**named, "input": self.inputs[0], "shape": list(self.shapes[0])}
+            return {**regular, "along": self.along} if self.along else regular
         return {
             **named,
             "inputs": list(self.inputs),
@@ -73,8 +84,11 @@ class Packed:
         else:
             outputs = tuple(header["outputs"])
         if "input" in header:
-            n = len(outputs)
-            return cls(outputs, (header["input"],) * n, (tuple(header["shape"]),) * n, payload)
+            n, shape = len(outputs), tuple(header["shape"])
+            along = header.get("along", 0)
+            if not isinstance(along, int) or not 0 <= along < max(len(shape), 1):
+                raise RechunkRunError(f"Packed header names axis {along!r} of pieces {shape}")
+            return cls(outputs, (header["input"],) * n, (shape,) * n, payload, along)
         return cls(
             outputs,
             tuple(header["inputs"]),
@@ -113,12 +127,75 @@ def pack_blocks(outputs: np.ndarray, input_: int, blocks: np.ndarray, dtype: np.
     shape = tuple(blocks.shape[1:])
     n = len(outputs)
     payload = np.ascontiguousarray(blocks).reshape(-1).view(np.uint8)
+    return Packed(_named(outputs), (input_,) * n, (shape,) * n, payload)
+
+
+def _named(outputs: np.ndarray) -> Sequence[int]:
+    """``outputs`` as a batch names them: a ``range`` when consecutive, else a tuple."""
+    n = len(outputs)
     first = int(outputs[0]) if n else 0
     if n > 2 and int(outputs[-1]) - first == n - 1 and (np.diff(outputs) == 1).all():
-        named: Sequence[int] = range(first, first + n)
-    else:
-        named = tuple(outputs.tolist())
-    return Packed(named, (input_,) * n, (shape,) * n, payload)
+        return range(first, first + n)
+    return tuple(outputs.tolist())
+
+
+def pack_box(
+    outputs: np.ndarray, input_: int, box: np.ndarray, along: int, shape: tuple[int, ...]
+) -> Packed:
+    """Pieces of ``shape`` lying side by side along axis ``along`` of ``box`` (a view of an
+    input chunk whose last axis is contiguous), of outputs ``outputs``, as one batch whose
+    payload is ``box`` itself: no copy (see :attr:`Packed.along`)."""
+    n = len(outputs)
+    return Packed(_named(outputs), (input_,) * n, (shape,) * n, box.view(np.uint8), along)
+
+
+def payload_views(payload: np.ndarray) -> list[memoryview]:
+    """The bytes of ``payload`` in C order as buffers, without copying: one for a contiguous
+    payload, else one per contiguous run (a box of an input chunk, see :func:`pack_box`).
+
+    >>> rows = np.arange(12, dtype="u1").reshape(3, 4)[:, 1:3]
+    >>> [bytes(v) for v in payload_views(rows)]
+    [b'\\x01\\x02', b'\\x05\\x06', b'\\t\\n']
+    """
+    if payload.flags.c_contiguous:
+        return [memoryview(payload.reshape(-1).view(np.uint8))]
+    # the trailing axes that lie contiguously form one run; the others are iterated
+    lead, run = payload.ndim, payload.itemsize
+    while lead and payload.strides[lead - 1] == run:
+        lead -= 1
+        run *= payload.shape[lead]
+    if lead == payload.ndim:  # (not even the last axis is contiguous)
+        return [memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))]
+    rows = payload.reshape(-1, *payload.shape[lead:]) if lead > 1 else payload
+    if lead > 1 and not np.shares_memory(rows, payload):  # (a reshape that copied)
+        rows = np.ascontiguousarray(payload).reshape(-1, *payload.shape[lead:])
+    return [memoryview(row.reshape(-1).view(np.uint8)) for row in rows]
+
+
+def in_order(packed: Packed, dtype: np.dtype) -> Packed:
+    """``packed`` with its pieces one after another in a contiguous payload: itself when
+    they are (``along`` 0, contiguous), else a copy (for a store that keeps payloads)."""
+    if not packed.along and packed.payload.flags.c_contiguous:
+        return packed
+    blocks = np.ascontiguousarray(_blocks_of(packed, dtype))
+    return replace(packed, payload=blocks.reshape(-1).view(np.uint8), along=0)
+
+
+def _blocks_of(packed: Packed, dtype: np.dtype) -> np.ndarray:
+    """The pieces of a :attr:`~Packed.regular` batch as one ``(n, *shape)`` view of its
+    payload (strided where the pieces lie side by side along an axis), checked."""
+    n, shape, along = len(packed.outputs), packed.shapes[0], packed.along
+    _check_payload(packed, n * math.prod(shape) * dtype.itemsize)
+    if not along:
+        if packed.payload.flags.c_contiguous:
+            return packed.payload.view(dtype).reshape(n, *shape)
+        # (a sender's box with its pieces stacked along the first axis)
+        return packed.payload.view(dtype).reshape(n * shape[0], *shape[1:]).reshape(n, *shape)
+    box = list(shape)
+    box[along] *= n
+    split = packed.payload.view(dtype).reshape(box)
+    split = split.reshape(*box[:along], n, shape[along], *box[along + 1 :])
+    return np.moveaxis(split, along, 0)
 
 
 def output_array(packed: Packed) -> np.ndarray:
@@ -141,9 +218,7 @@ def unpack_blocks(packed: Packed, dtype: np.dtype) -> tuple[int, np.ndarray] | N
     """
     if dtype.hasobject or not packed.regular:
         return None
-    n, shape = len(packed.outputs), packed.shapes[0]
-    _check_payload(packed, n * math.prod(shape) * dtype.itemsize)
-    return packed.inputs[0], packed.payload.view(dtype).reshape(n, *shape)
+    return packed.inputs[0], _blocks_of(packed, dtype)
 
 
 def packed_sizes(packed: Packed, dtype: np.dtype) -> np.ndarray:
@@ -175,6 +250,7 @@ def split_packed_blocking(
     >>> kept.outputs, kept.payload.view("f8").tolist(), rest.outputs, rest.nbytes
     ((0,), [0.0, 1.0], (1,), 24)
     """
+    packed = in_order(packed, dtype)
     sizes = packed_sizes(packed, dtype)
     ends = np.cumsum(sizes)
     starts = ends - sizes
@@ -212,11 +288,8 @@ def unpack_blocking(packed: Packed, dtype: np.dtype) -> list[Piece]:
         arrays = pickle.loads(packed.payload.tobytes())
         return list(zip(packed.outputs, packed.inputs, arrays))
     shapes = packed.shapes
-    if shapes and all(s == shapes[0] for s in shapes):  # a regular cut: one reshape
-        count = len(shapes) * int(np.prod(shapes[0], dtype=np.int64))
-        _check_payload(packed, count * dtype.itemsize)
-        arrays = packed.payload.view(dtype).reshape(len(shapes), *shapes[0])
-        return list(zip(packed.outputs, packed.inputs, arrays))
+    if packed.regular:  # a regular cut: one reshape
+        return list(zip(packed.outputs, packed.inputs, _blocks_of(packed, dtype)))
     pieces: list[Piece] = []
     offset = 0
     itemsize = dtype.itemsize

@@ -248,12 +248,18 @@ class WorkerRun:
                 f"{data.shape}, expected {expected}"
             )
         start = time.perf_counter()
-        scratch = self._cuts.take(data.nbytes)
+        plan = self._cutter.in_place(run_spec, flat, data)
+        scratch = None if plan is not None else self._cuts.take(data.nbytes)
         try:
-            local, remote = self._cutter.cut_blocking(run_spec, flat, data, scratch)
+            if plan is not None:
+                local, remote = self._cutter.send_in_place(run_spec, flat, data, plan)  # type: ignore[arg-type]
+            else:
+                local, remote = self._cutter.cut_blocking(run_spec, flat, data, scratch)
+            if isinstance(local, Packed):
+                local = [local]
             try:
-                if isinstance(local, Packed):
-                    nbytes = self._store.write_packed_blocking([local])
+                if local and isinstance(local[0], Packed):
+                    nbytes = self._store.write_packed_blocking(local)
                 else:
                     nbytes = self._store.write_blocking(local) if local else 0
             except RechunkRunError as e:  # the run closed during the cut: stale, not failed
@@ -263,7 +269,7 @@ class WorkerRun:
             cut = time.perf_counter()
             if remote:
                 # the batches viewing the buffer hold it until they are delivered
-                self._cuts.hold(scratch, (p for p in remote.values() if p.payload.base is scratch))
+                self._cuts.hold(scratch, (p for _, p in remote if p.payload.base is scratch))
                 self._comm.put_blocking(remote)
         finally:
             self._cuts.release(scratch, scratch)

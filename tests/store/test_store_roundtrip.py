@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from rechunk_p2p.store import DiskPieceStore, MemoryPieceStore, PieceStore, make_store
+from rechunk_p2p.transport.wire import Packed, pack_box, payload_views
 
 from .helpers import assert_same
 
@@ -237,3 +238,19 @@ def test_packed_batches_round_trip_and_drop_pairs_stored_before(make, dtype):
         assert input_ == 7
         assert_same(pieces[o], got)
     assert store.statistics().outputs == 0
+
+
+def test_a_received_batch_of_blocks_is_stored_piece_by_piece(make):
+    """A batch sent as a block of its input chunk (pieces side by side along an axis, as
+    a worker whose store assembles sends it) reaches a peer whose store keeps what it is
+    given: every piece reads back whole."""
+    chunk = np.arange(6 * 40, dtype="f8").reshape(6, 40)
+    sent = pack_box(np.arange(3, 7), 9, chunk[:, 8:40], 1, (6, 8))
+    wire = b"".join(bytes(v) for v in payload_views(sent.payload))
+    received = Packed.from_message(sent.header(), np.frombuffer(wire, dtype=np.uint8).copy())
+    store = make()
+    assert store.write_packed_blocking([received]) == 4 * 6 * 8 * 8
+    for k, output in enumerate(range(3, 7)):
+        ((input_, piece),) = store.read_blocking(output)
+        assert input_ == 9
+        assert_same(chunk[:, 8 * (k + 1) : 8 * (k + 2)], piece)
