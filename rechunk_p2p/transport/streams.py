@@ -56,6 +56,9 @@ _OK = _REPLY.pack(_MAGIC, 0, 0)
 #: Buffers one ``sendmsg`` call takes at most (Linux's ``IOV_MAX``)
 _GATHER = 1024
 
+#: Buffers shorter than this go to tornado's buffered writes joined (see :func:`coalesced`)
+_SMALL_WRITE = 64 * 1024
+
 #: Incoming bytes a stream may buffer beyond what is being read: none is buffered beyond a
 #: message here (payloads are read into their own buffer), so this only has to admit them
 _MAX_BUFFER = 2**62
@@ -83,6 +86,35 @@ def request_frames(shuffle_id: ShuffleId, run_id: RunId, batch: list[Packed]) ->
     return [_REQUEST.pack(_MAGIC, len(header), total) + header, *views]
 
 
+def coalesced(views: list[memoryview], small: int = _SMALL_WRITE) -> list[Any]:
+    """``views`` for tornado's buffered writes: each run of consecutive buffers under
+    ``small`` bytes joined into one (a copy), the others as they are. A block of an input
+    chunk goes as its rows (:func:`~rechunk_p2p.transport.wire.payload_views`), 1 KiB
+    each at many workers, and tornado sends each buffer it is given in a system call and a
+    pass of its write loop of its own.
+
+    >>> [bytes(v) for v in coalesced([memoryview(b"ab"), memoryview(b"c"), memoryview(b"def")], 3)]
+    [b'abc', b'def']
+    """
+    out: list[Any] = []
+    run: list[memoryview] = []
+    for view in views:
+        if len(view) < small:
+            run.append(view)
+            continue
+        if run:
+            out.append(b"".join(run) if len(run) > 1 else run[0])
+            run = []
+        out.append(view)
+    if run:
+        out.append(b"".join(run) if len(run) > 1 else run[0])
+    return out
+
+
+def _is_bytes_view(frame: Any) -> bool:
+    return type(frame) is memoryview and frame.ndim == 1 and frame.format == "B"
+
+
 def send_now(stream: IOStream, frames: list[Any]) -> list[memoryview]:
     """Send what ``stream``'s socket takes of ``frames`` now, in one gathering ``sendmsg``
     (per :data:`_GATHER` buffers), and return the rest (whole frames, or a frame's tail),
@@ -93,7 +125,8 @@ def send_now(stream: IOStream, frames: list[Any]) -> list[memoryview]:
 
     Raises ``OSError`` when the connection failed.
     """
-    views = [memoryview(f).cast("B") for f in frames]
+    # (a block's rows are byte views already: one per row, thousands a message)
+    views = [f if _is_bytes_view(f) else memoryview(f).cast("B") for f in frames]
     if isinstance(stream, SSLIOStream) or stream.writing() or stream.closed():
         return views
     sock, k = stream.socket, 0
@@ -221,12 +254,8 @@ class StreamPool:
         stream = self._take_idle(address) or await self._connect(address)
         try:
             rest = send_now(stream, frames)
-            while rest:  # the socket's buffer was full: one write, then gather again
-                if isinstance(stream, SSLIOStream):  # (send_now gathers nothing there)
-                    await asyncio.gather(*map(stream.write, rest))
-                    break
-                await stream.write(rest[0])
-                rest = send_now(stream, rest[1:])
+            if rest:  # the socket's buffer was full (or TLS): tornado writes the rest
+                await asyncio.gather(*map(stream.write, coalesced(rest)))
             await read_reply(stream)
         except BaseException:
             self._discard(stream)

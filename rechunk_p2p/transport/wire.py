@@ -164,12 +164,19 @@ def payload_views(payload: np.ndarray) -> list[memoryview]:
     while lead and payload.strides[lead - 1] == run:
         lead -= 1
         run *= payload.shape[lead]
-    if lead == payload.ndim:  # (not even the last axis is contiguous)
+    if lead == payload.ndim or min(payload.strides) < 0:  # (no contiguous run: a copy)
         return [memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))]
-    rows = payload.reshape(-1, *payload.shape[lead:]) if lead > 1 else payload
-    if lead > 1 and not np.shares_memory(rows, payload):  # (a reshape that copied)
-        rows = np.ascontiguousarray(payload).reshape(-1, *payload.shape[lead:])
-    return [memoryview(row.reshape(-1).view(np.uint8)) for row in rows]
+    # each run's byte offset from the first, in C order; then slices of one memoryview
+    # spanning them all (a slice costs a fraction of what a numpy view per run does)
+    offsets = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(payload.shape[:lead], payload.strides[:lead]):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    raw = payload.view(np.uint8)  # (its last axis is contiguous)
+    span = np.lib.stride_tricks.as_strided(
+        raw, shape=(int(offsets[-1]) + run,), strides=(1,), writeable=False
+    )
+    whole = memoryview(span)
+    return [whole[o : o + run] for o in offsets.tolist()]
 
 
 def in_order(packed: Packed, dtype: np.dtype) -> Packed:
