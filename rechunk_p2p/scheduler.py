@@ -14,7 +14,7 @@ from time import time
 from typing import Any
 
 from distributed import SchedulerPlugin
-from distributed.core import error_message
+from distributed.core import Status, error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
@@ -302,11 +302,15 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         results = await self._broadcast_retrying(msg, targets, run, current)
         if self.active.get(shuffle_id) is not run or run.run_spec.run_id != current:
             return {"status": "OK", "restarted": True}  # continued or replaced meanwhile
+        if any(self._closing(worker) for worker in results):
+            # a worker closing now drops what it queued, whatever it replied (a barrier
+            # asked again after its runs closed found none): remove_worker re-runs what it
+            # owed the run, and the barrier runs again after that
+            return {"status": "OK", "restarted": True}
         for worker, result in results.items():
             replied_error = isinstance(result, dict) and result.get("status") == "error"
             failed = replied_error or isinstance(result, Exception)
-            left = worker in run.departed or worker not in self.scheduler.workers
-            if failed and (left or self.active.get(shuffle_id) is not run):
+            if failed and worker in run.departed:
                 # restarted meanwhile, or the worker left: remove_worker re-ran what it
                 # owed the run (or restarted it); the barrier runs again after that
                 return {"status": "OK", "restarted": True}
@@ -323,6 +327,11 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
                 )
                 return error_message(result)  # the worker's error, with its own type
         return {"status": "OK", "run_id": current}
+
+    def _closing(self, worker: str) -> bool:
+        """Whether ``worker`` is closing, or gone from the cluster."""
+        ws = self.scheduler.workers.get(worker)
+        return ws is None or ws.status in (Status.closing, Status.closed)
 
     async def _broadcast_retrying(
         self, msg: dict, targets: list[str], run: SchedulerRun, run_id: RunId

@@ -15,9 +15,11 @@ import time
 import dask.array as da
 import numpy as np
 import pytest
+from distributed.core import Status
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
+from rechunk_p2p.errors import StaleRunError
 from tests.conftest import assert_clean
 from tests.engine_helpers import ONE, PLUGIN, THREE, check_result
 
@@ -220,3 +222,26 @@ async def test_a_bystander_leaving_a_continued_run_runs_again_only_the_transfers
     assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 2)
     del future
     await assert_clean(s, *(w for w in workers if w.status.name == "running"))
+
+
+@gen_cluster(client=True, nthreads=ONE * 2)
+async def test_a_closing_worker_never_passes_a_barrier_it_has_no_run_for(c, s, a, b):
+    """A barrier asked again of a worker whose runs its close already dropped (the first
+    request's connection broke under the close) must not pass there: the pieces it had
+    queued are gone. It replies an error, and the scheduler, seeing the worker closing,
+    reschedules the barrier instead of passing it on."""
+    await rechunk_p2p.register(c)
+    plugin = a.plugins["rechunk-p2p"]
+    await plugin._pass_barrier("no-such-rechunk", 1)  # open: it sent nothing, it passes
+    plugin._tearing_down = True
+    try:
+        with pytest.raises(StaleRunError, match="is closing"):
+            await plugin._pass_barrier("no-such-rechunk", 1)
+    finally:
+        plugin._tearing_down = False
+    scheduler_plugin = s.plugins[PLUGIN]
+    assert not scheduler_plugin._closing(a.address)
+    s.workers[a.address].status = Status.closing
+    assert scheduler_plugin._closing(a.address)
+    assert scheduler_plugin._closing("tcp://127.0.0.1:1")  # not in the cluster
+    s.workers[a.address].status = Status.running

@@ -308,6 +308,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
     async def _pass_barrier(self, shuffle_id: ShuffleId, run_id: RunId) -> None:
         with self._lock:
             run = self.runs.get(shuffle_id)
+        if run is None and self._tearing_down:  # its runs closed, their sends dropped
+            raise StaleRunError(
+                f"Barrier of run {run_id} of rechunk {shuffle_id} reached "
+                f"{self.worker.address}, which is closing"
+            )
         if run is None:
             return  # this worker sent nothing for this run
         if run.run_id < run_id:  # continued: the scheduler's message is still on its way
