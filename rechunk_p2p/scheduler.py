@@ -311,8 +311,8 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
             replied_error = isinstance(result, dict) and result.get("status") == "error"
             failed = replied_error or isinstance(result, Exception)
             if failed and worker in run.departed:
-                # restarted meanwhile, or the worker left: remove_worker re-ran what it
-                # owed the run (or restarted it); the barrier runs again after that
+                # the worker left the run: remove_worker re-ran what it owed the run (or
+                # restarted it); the barrier runs again after that
                 return {"status": "OK", "restarted": True}
             if replied_error:  # the worker's error reply, passed on unopened
                 logger.warning("Rechunk %s (run %s) failed on %s", shuffle_id, current, worker)
