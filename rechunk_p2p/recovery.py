@@ -96,6 +96,7 @@ class RunRecovery:
     outputs_kept: int
     outputs_moved: int
     transfers_rerun: int
+    remade: int
     _close: Callable[[ShuffleId, str], SchedulerRun]
 
     def remove_worker(
@@ -124,9 +125,10 @@ class RunRecovery:
                 self._close(shuffle_id, reason=f"worker {worker} left")
                 self._restart(shuffle_id, stimulus_id)
 
-    def _can_continue(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str) -> bool:
-        """Whether the run can go on without ``worker``, an owner: another worker of the run
-        is still there to take its outputs over, and the barrier task has not failed."""
+    def _can_continue(self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str | None) -> bool:
+        """Whether the run can go on without ``worker``, an owner (``None``: with all its
+        workers): another worker of the run is still there to take outputs over, every other
+        one is there too, and the barrier task has not failed."""
         barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
         if barrier is None or barrier.state == "erred":
             return False
@@ -154,27 +156,53 @@ class RunRecovery:
         barrier = self.scheduler.tasks[barrier_key(shuffle_id)]
         resend_all = self._resend_all(run, worker, barrier)
         new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)), resend_all)
-        self._continue_as(shuffle_id, run, worker, new, barrier)
+        self._continue_as(shuffle_id, run, new, barrier, f"Worker {worker} left", worker)
+
+    def remake(
+        self, shuffle_id: ShuffleId, run: SchedulerRun, output: int, worker: str, reason: str
+    ) -> bool:
+        """Output ``output``, assembled on ``worker`` before, was lost after its pieces were
+        consumed (its consumers' results went with a worker that left, say) and is wanted
+        again: the run continues to assemble it on the next worker, every input sending its
+        pieces again; nothing else of the run is done again. Whether it did: not when the
+        run has no other worker, a worker of the run is gone, or the barrier failed (then
+        the run restarts).
+        """
+        if len(run.run_spec.workers) < 2 or not self._can_continue(shuffle_id, run, None):
+            return False
+        barrier = self.scheduler.tasks[barrier_key(shuffle_id)]
+        new = run.run_spec.remaking(frozenset({output}), RunId(next(self._run_ids)))
+        self.remade += 1
+        why = f"Output {run.run_spec.spec.partial.output_index(output)} was lost ({reason})"
+        self._continue_as(shuffle_id, run, new, barrier, why)
+        return True
 
     def _continue_as(
-        self, shuffle_id: ShuffleId, run: SchedulerRun, worker: str, new: RunSpec, barrier: Any
+        self,
+        shuffle_id: ShuffleId,
+        run: SchedulerRun,
+        new: RunSpec,
+        barrier: Any,
+        why: str,
+        worker: str | None = None,
     ) -> None:
-        """Tell the run's workers that ``new`` continues the run ``worker`` left, then release
-        the barrier and the transfers (see :meth:`_continue_without`).
+        """Tell the run's workers that ``new`` continues the run (``worker`` left it, if
+        given), then release the barrier and the transfers (see :meth:`_continue_without`).
 
         When no output moved (a bystander left, see :meth:`_go_on_without`), only the
         transfers that ran on the worker or send in full in ``new`` run again: every other
         transfer's result counts for ``new`` as it is (:meth:`SchedulerRun.takes`).
         """
-        keep, finished = self._unfinished_outputs(new)
         old = run.run_spec
-        moved = new.moved - old.moved
-        carry = new.moved == old.moved and new.workers == old.workers  # a bystander left
+        moved = new.reassigned(old)
+        keep, finished = self._unfinished_outputs(new, moved)
+        carry = not moved and new.workers == old.workers  # a bystander left
         run.carried = {**run.carried, old.run_id: old.resend_all} if carry else {}
         run.run_spec = new
         run.owners = new.owners()
-        run.participants.discard(worker)
-        run.departed.add(worker)
+        if worker is not None:
+            run.participants.discard(worker)
+            run.departed.add(worker)
         self._pin(run, moved)
         msgs = {
             w: [
@@ -203,10 +231,10 @@ class RunRecovery:
         self.outputs_moved += len(moved)
         self.transfers_rerun += rerun_count
         logger.warning(
-            "Worker %s left rechunk %s: run %d continues as run %d, %d outputs moved, %d "
-            "finished outputs kept, %d of %d inputs send all their pieces again, %d finished "
-            "transfers run again",
-            worker,
+            "%s in rechunk %s: run %d continues as run %d, %d outputs moved, %d finished "
+            "outputs kept, %d of %d inputs send all their pieces again, %d finished transfers "
+            "run again",
+            why,
             shuffle_id,
             new.lineage[-1],
             new.run_id,
@@ -228,15 +256,18 @@ class RunRecovery:
         inputs = new.spec.transfers[new.spec.transfer_of(chain[0].key)]
         return any(i in new.resend_all for i in inputs)
 
-    def _unfinished_outputs(self, run_spec: RunSpec) -> tuple[dict[str, list[int]], int]:
-        """Per worker, its outputs (not moved) whose tasks are not finished on the scheduler
-        (running, or done on the worker and not reported yet); and how many are finished (in
-        memory, or consumed already)."""
+    def _unfinished_outputs(
+        self, run_spec: RunSpec, moved: frozenset[int]
+    ) -> tuple[dict[str, list[int]], int]:
+        """Per worker, its outputs (not ``moved`` to it now) whose tasks are not finished on
+        the scheduler (running, or done on the worker and not reported yet); and how many are
+        finished (in memory, or consumed already). An output moved by an earlier
+        continuation is kept as any other: its pieces were consumed where it is."""
         spec = run_spec.spec
         keep: dict[str, list[int]] = {w: [] for w in run_spec.workers}
         finished = 0
         for flat in spec.outputs:
-            if flat in run_spec.moved:
+            if flat in moved:
                 continue
             ts = self.scheduler.tasks.get(spec.output_key(flat))
             if ts is not None and ts.state in BARRIER_PENDING:
@@ -315,7 +346,7 @@ class RunRecovery:
             # outputs' pieces, so a run that continues this one sends theirs in full
             resend_all = self._resend_all(run, worker, barrier)
             new = run.run_spec.continued(RunId(next(self._run_ids)), resend_all)
-            self._continue_as(shuffle_id, run, worker, new, barrier)
+            self._continue_as(shuffle_id, run, new, barrier, f"Worker {worker} left", worker)
             return
         run.participants.discard(worker)
         run.departed.add(worker)

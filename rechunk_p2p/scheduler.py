@@ -77,7 +77,8 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         self.runs_created = 0
         self.restarts_saved = 0  # workers that left a run without restarting it
         self.restarts = 0  # runs restarted from scratch (no other worker left, a result lost)
-        self.continuations = 0  # runs continued after an owner left
+        self.continuations = 0  # runs continued after an owner left, or to remake outputs
+        self.remade = 0  # outputs lost after assembly that continuations assembled again
         self.outputs_kept = 0  # finished outputs of other workers that continuations kept
         self.outputs_moved = 0  # outputs continuations moved to another worker
         self.transfers_rerun = 0  # finished transfers continuations ran again
@@ -398,11 +399,22 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
             self.scheduler.set_restrictions({key: {worker}})
         return {"status": "OK"}
 
-    def restart_run(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> dict:
-        """Restart run ``run_id`` from scratch (a worker lost a result it cannot rebuild);
+    def restart_run(
+        self,
+        shuffle_id: ShuffleId,
+        run_id: RunId,
+        reason: str = "",
+        output: int | None = None,
+        worker: str | None = None,
+    ) -> dict:
+        """A worker lost a result it cannot rebuild: ``output``, assembled on ``worker``
+        before, whose pieces are gone. Run ``run_id`` continues to assemble it again
+        elsewhere where it can (see :meth:`RunRecovery.remake`), else restarts from scratch;
         nothing if it was replaced already."""
         run = self.active.get(shuffle_id)
         if run is not None and run.run_spec.run_id == run_id:
+            if output is not None and self.remake(shuffle_id, run, output, worker or "", reason):
+                return {"status": "OK"}
             logger.warning("Restarting rechunk %s (run %d): %s", shuffle_id, run_id, reason)
             self.restarts += 1
             self._close(shuffle_id, reason=reason)

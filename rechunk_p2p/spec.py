@@ -355,3 +355,43 @@ class RunSpec:
             moved=self.moved | frozenset(moved),
             resend_all=resend_all,
         )
+
+    def remaking(self, outputs: frozenset[int], run_id: RunId) -> RunSpec:
+        """The run that continues this one to assemble ``outputs`` again, each on the worker
+        after its own (in ``workers``, wrapping): their results were lost after their pieces
+        were consumed, so every input sends their pieces again. Every other output stays
+        where it is.
+
+        >>> from rechunk_p2p.planning import make_partials
+        >>> (p,) = make_partials(((4,), (6,)), ((4,), (1,) * 6))
+        >>> spec = ShuffleSpec(ShuffleId("s-0"), p, np.dtype("f8"), "memory", "out")
+        >>> run = RunSpec(spec, RunId(1), ("a", "b", "c"), ("A", "B", "C"), shift=0)
+        >>> again = run.remaking(frozenset({1, 5}), RunId(2))
+        >>> [again.worker_for(i) for i in range(6)], sorted(again.moved), again.lineage
+        (['a', 'b', 'b', 'b', 'c', 'a'], [1, 5], (1,))
+        >>> sorted(again.reassigned(run))
+        [1, 5]
+        """
+        flats = np.asarray(sorted(outputs), dtype=np.int64)
+        table = self.worker_positions(self.spec.outputs_array)
+        ranks = np.searchsorted(self.spec.outputs_array, flats)
+        table[ranks] = (table[ranks] + 1) % len(self.workers)
+        return replace(
+            self,
+            run_id=run_id,
+            shift=0,
+            table=tuple(table.tolist()),
+            lineage=(*self.lineage, self.run_id),
+            moved=self.moved | outputs,
+            resend_all=frozenset(),
+        )
+
+    def reassigned(self, before: RunSpec) -> frozenset[int]:
+        """The moved outputs this run assembles on another worker than ``before`` did (a run
+        of its lineage)."""
+        moved = self._moved
+        if not len(moved):
+            return frozenset()
+        now = np.asarray(self.workers)[self.worker_positions(moved)]
+        then = np.asarray(before.workers)[before.worker_positions(moved)]
+        return frozenset(moved[now != then].tolist())

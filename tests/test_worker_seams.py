@@ -425,11 +425,12 @@ async def test_outputs_assembled_before_a_continuation_are_kept_for_it(seam, tmp
         assert await unpack(a, a_outputs[0], 2) is done
         assert await unpack(a, a_outputs[1], 2) is assembled
         assert not run._kept
-        # an output assembled before that was not kept: only a new run can build it again
+        # an output assembled before that was not kept: the scheduler hears which one, and
+        # where (it continues the run to assemble it again elsewhere)
         run._assembled.add(a_outputs[0])
         with pytest.raises(Reschedule):
             await unpack(a, a_outputs[0], 2)
-        assert [r for r, _ in scheduler.restarts] == [2]
+        assert scheduler.lost == [(2, a_outputs[0], a.worker.address)]
         assert "assembled on a before" in scheduler.restarts[0][1]
 
 

@@ -119,6 +119,7 @@ class FakeScheduler:
         self.gate: asyncio.Event | None = None
         self.restricted: list[tuple[Any, str]] = []
         self.restarts: list[tuple[RunId, str]] = []
+        self.lost: list[tuple[RunId, int | None, str | None]] = []  # (run, output, its worker)
         self.requests: Counter = Counter()
 
     async def rechunk_p2p_get_or_create(self, shuffle_id: ShuffleId, worker: str) -> dict:
@@ -140,8 +141,11 @@ class FakeScheduler:
                 return reply  # passed on unopened, as the scheduler plugin does
         return {"status": "OK", "run_id": current}
 
-    async def rechunk_p2p_restart(self, shuffle_id, run_id, reason="") -> dict:
+    async def rechunk_p2p_restart(
+        self, shuffle_id, run_id, reason="", output=None, worker=None
+    ) -> dict:
         self.restarts.append((run_id, reason))
+        self.lost.append((run_id, output, worker))
         return {"status": "OK"}
 
     async def rechunk_p2p_restrict(self, shuffle_id, run_id, key, worker) -> dict:

@@ -30,7 +30,8 @@ _registered = False
 _SCHEDULER_COUNTERS = {
     "runs_created": "Runs of sub-shuffles created",
     "restarts": "Runs restarted from scratch",
-    "continuations": "Runs continued after an output owner left",
+    "continuations": "Runs continued after an output owner left, or to remake outputs",
+    "remade": "Outputs lost after assembly that continuations assembled again",
     "restarts_saved": "Workers that left a run without restarting it",
     "outputs_moved": "Outputs that continuations moved to another worker",
 }

@@ -454,6 +454,16 @@ class AssemblingMemoryStore:
             return sorted(i for i in expected if i not in late)
         return sorted(i for i in expected if not self._ledger.holds(output, i))
 
+    def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
+        """Forget that ``outputs`` (read already) got their pieces: they are assembled
+        again from pieces sent anew."""
+        outputs = list(outputs)
+        with self._lock:
+            self._ledger.forget_outputs(outputs)
+            for output in outputs:
+                self._taken[output] = False
+                self._late.pop(output, None)
+
     def close_blocking(self) -> None:
         """Drop every output; idempotent."""
         with self._lock:

@@ -101,6 +101,11 @@ class PieceStore(Protocol):
         and discard them. Returns the inputs placed, stopping at the first one missing."""
         ...
 
+    def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
+        """Forget that ``outputs`` (read already) got their pieces: pieces of them sent anew
+        are stored as new ones, and they are assembled again from those."""
+        ...
+
     def close_blocking(self) -> None:
         """Free everything and remove every file and directory the store created.
 

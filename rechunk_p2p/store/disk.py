@@ -434,6 +434,12 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         finally:
             self._close_done.set()
 
+    def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
+        """Forget that ``outputs`` (read already) got their pieces: they are assembled
+        again from pieces sent anew."""
+        with self._lock:
+            self._ledger.forget_outputs(outputs)
+
     def statistics(self) -> StoreStatistics:
         """Return a snapshot of the store's counters."""
         with self._lock:

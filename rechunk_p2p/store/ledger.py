@@ -236,6 +236,16 @@ class PieceLedger:
         left = have[~np.isin(have, np.asarray(outputs, dtype=np.int64))]
         self._held[input_] = _runs(left)
 
+    def forget_outputs(self, outputs: Iterable[int]) -> None:
+        """Give back every pair of ``outputs``, from all inputs (they are assembled again
+        from pieces sent anew)."""
+        outs = np.unique(np.fromiter(outputs, dtype=np.int64))
+        if not len(outs):
+            return
+        for input_, held in list(self._held.items()):
+            if held[0] and _held_in(held, outs).any():
+                self.forget_batch(input_, outs)
+
     def holds(self, output: int, input_: int) -> bool:
         """Whether the pair was accepted (and not given back)."""
         held = self._held.get(input_)

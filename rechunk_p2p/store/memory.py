@@ -155,6 +155,12 @@ class MemoryPieceStore:
             )
         return placed
 
+    def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
+        """Forget that ``outputs`` (read already) got their pieces: they are assembled
+        again from pieces sent anew."""
+        with self._lock:
+            self._ledger.forget_outputs(outputs)
+
     def close_blocking(self) -> None:
         """Drop every array; idempotent."""
         with self._lock:

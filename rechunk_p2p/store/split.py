@@ -118,6 +118,13 @@ class SplitStore:
         """A spilled output read into ``out`` (:meth:`DiskPieceStore.read_stacked_blocking`)."""
         return self.disk.read_stacked_blocking(output, out, order)
 
+    def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
+        """Forget that ``outputs`` (read already) got their pieces: they are assembled
+        again from pieces sent anew."""
+        outputs = list(outputs)
+        self.memory.forget_outputs_blocking(outputs)
+        self.disk.forget_outputs_blocking(outputs)
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def close_blocking(self) -> None:

@@ -424,13 +424,21 @@ class RechunkWorkerPlugin(WorkerPlugin):
         try:
             return run.get_output_blocking(flat)
         except OutputConsumedError as e:
-            # its pieces are gone with a result the worker dropped: only a new run has them
-            from_thread(self.worker.loop.asyncio_loop, self._restart, shuffle_id, run_id, str(e))
+            # its pieces are gone with a result the worker dropped: the run goes on to
+            # assemble it again elsewhere (or restarts)
+            loop = self.worker.loop.asyncio_loop
+            from_thread(loop, self._restart, shuffle_id, run_id, str(e), flat)
             raise Reschedule() from None
 
-    async def _restart(self, shuffle_id: ShuffleId, run_id: RunId, reason: str) -> None:
+    async def _restart(
+        self, shuffle_id: ShuffleId, run_id: RunId, reason: str, output: int
+    ) -> None:
         response = await self.worker.scheduler.rechunk_p2p_restart(
-            shuffle_id=shuffle_id, run_id=run_id, reason=reason
+            shuffle_id=shuffle_id,
+            run_id=run_id,
+            reason=reason,
+            output=output,
+            worker=self.worker.address,
         )
         _checked(response)
 

@@ -346,11 +346,11 @@ class WorkerRun:
     # --- continuation (worker loop) -----------------------------------------------------------
 
     def continue_as(self, run_spec: RunSpec) -> bool:
-        """Go on as ``run_spec``, a run that continues this one (an output owner left):
-        pieces stored here and outputs assembled here stay; nothing more is sent to the
-        workers that left; the transfers run again for the moved outputs, and this worker
-        passes a barrier again. Whether it did (not if closed, or if ``run_spec`` does not
-        continue this run)."""
+        """Go on as ``run_spec``, a run that continues this one (an output owner left, or a
+        lost output is assembled again): pieces stored here and outputs assembled here
+        stay; nothing more is sent to the workers that left; the transfers run again for
+        the moved outputs, and this worker passes a barrier again. Whether it did (not if
+        closed, or if ``run_spec`` does not continue this run)."""
         with self._lock:
             if (
                 self._phase is RunPhase.CLOSED
@@ -359,6 +359,17 @@ class WorkerRun:
             ):
                 return False
             departed = set(self.run_spec.dataplanes) - set(run_spec.dataplanes)
+            # an output assembled here before that comes back to be assembled again (its
+            # result was lost): its pieces are sent anew, and stored as new ones (a few
+            # outputs' bookkeeping under the store's lock, rare: on the worker's loop)
+            back = [
+                flat
+                for flat in run_spec.reassigned(self.run_spec)
+                if flat in self._assembled and run_spec.worker_for(flat) == self.worker_address
+            ]
+            if back:
+                self._store.forget_outputs_blocking(back)
+                self._assembled.difference_update(back)
             self.run_spec = run_spec
             self._set_phase_locked(RunPhase.TRANSFERRING)
         if departed:  # the comm buffer is confined to the data plane's loop

@@ -369,3 +369,23 @@ def test_slabs_hold_at_most_their_bytes(monkeypatch) -> None:
         np.testing.assert_array_equal(out, _expected(partial, data, flat))
     assert len({id(out.base) for out in outs}) == 6  # 16 outputs, three a slab
     store.close_blocking()
+
+
+def test_an_output_forgotten_after_it_was_taken_is_assembled_again_whole() -> None:
+    partial = _partial((4, 6), (1, 6), (4, 3))
+    data = np.arange(24, dtype="f8").reshape(4, 6)
+    pieces = _pieces(partial, data)
+    store = _store(partial)
+    store.write_blocking(pieces)
+    out, missing = store.take_output_blocking(1)
+    assert missing == [] and np.array_equal(out, _expected(partial, data, 1))
+    again = [s for s in pieces if s[0] == 1]
+    assert store.write_blocking(again) == 0  # its pairs are held: dropped
+    store.forget_outputs_blocking([1])
+    assert store.write_blocking(again[:2]) == 2 * 3 * 8
+    assert store.take_output_blocking(1)[1] == [2, 3]  # a new output 1, missing what did not come
+    store.forget_outputs_blocking([1])
+    store.write_blocking(again)
+    out, missing = store.take_output_blocking(1)
+    assert missing == [] and np.array_equal(out, _expected(partial, data, 1))
+    store.close_blocking()

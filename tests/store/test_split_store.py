@@ -118,3 +118,19 @@ def test_split_views_a_prefix_and_copies_anything_else() -> None:
 def test_memory_plus_disk_needs_what_it_splits_by(tmp_path) -> None:
     with pytest.raises(RechunkInputError, match="'memory\\+disk' needs"):
         make_store("memory+disk", dtype=F4, directory=tmp_path, name="x")
+
+
+def test_outputs_forgotten_in_either_part_take_their_pieces_again(tmp_path) -> None:
+    partial = _partial((4, 6), (1, 6), (4, 3))
+    data = np.arange(24, dtype=F4).reshape(4, 6)
+    pieces = _pieces(partial, data)
+    store = _split(partial, {0}, tmp_path)  # output 0 in memory, output 1 spilled
+    store.write_blocking(pieces)
+    for flat in (0, 1):
+        assert np.array_equal(_take(store, partial, flat), _expected(partial, data, flat))
+    assert store.write_blocking(pieces) == 0  # every pair held: dropped
+    store.forget_outputs_blocking([0, 1])
+    assert store.write_blocking(pieces) == data.nbytes
+    for flat in (0, 1):
+        assert np.array_equal(_take(store, partial, flat), _expected(partial, data, flat))
+    store.close_blocking()

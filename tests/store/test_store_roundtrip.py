@@ -254,3 +254,22 @@ def test_a_received_batch_of_blocks_is_stored_piece_by_piece(make):
         ((input_, piece),) = store.read_blocking(output)
         assert input_ == 9
         assert_same(chunk[:, 8 * (k + 1) : 8 * (k + 2)], piece)
+
+
+def test_an_output_forgotten_after_it_was_read_takes_its_pieces_again(make):
+    """An output read (its pieces consumed) and then assembled again here: its pieces sent
+    anew are stored as new ones once it is forgotten, and dropped as duplicates before."""
+    store = make()
+    pieces = {(o, i): np.full((2, 3), 10 * o + i, dtype="f8") for o in (0, 1) for i in (4, 5)}
+    store.write_blocking([(o, i, a) for (o, i), a in pieces.items()])
+    assert [i for i, _ in store.read_blocking(0)] == [4, 5]
+    assert store.write_blocking([(0, 4, pieces[0, 4])]) == 0  # read already: a duplicate
+    store.forget_outputs_blocking([0])
+    assert store.write_blocking([(0, i, pieces[0, i]) for i in (4, 5)]) == 2 * 48
+    assert store.write_blocking([(1, 5, pieces[1, 5])]) == 0  # other outputs are as they were
+    for output in (0, 1):
+        got = store.read_blocking(output)
+        assert [i for i, _ in got] == [4, 5]
+        for input_, array in got:
+            assert_same(pieces[output, input_], array)
+    assert store.statistics().duplicates == 2

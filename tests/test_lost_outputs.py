@@ -1,0 +1,129 @@
+"""An output assembled once, whose result is lost and wanted again while its run is open.
+
+An output's pieces are freed as it is assembled, so a worker cannot assemble it twice. When
+its result is lost after that (its consumers' results went with a worker that left, and
+dask recomputes it), the run continues to assemble it again on the next worker: every input
+sends its pieces of that output again, and nothing else of the run is done again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from tests.conftest import assert_clean
+from tests.engine_helpers import PLUGIN, THREE, check_result
+
+
+async def _forgotten(s, key) -> None:
+    while key in s.tasks:
+        await asyncio.sleep(0.005)
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_an_output_lost_after_assembly_is_assembled_again_on_the_next_worker(c, s, *ws):
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 60)), (60, 6))  # 10 outputs
+    graph = dict(y.__dask_graph__())
+    (barrier,) = [k for k in graph if str(k).startswith("rechunk_p2p-barrier-")]
+    outputs = sorted(y.__dask_keys__()[0])
+    # the client wants the barrier too: the run stays open after its outputs are done, as
+    # it does while other outputs are still to come
+    held, *futures = c.get(graph, [barrier, *outputs], sync=False)
+    await c.gather(futures)
+    plugin = s.plugins[PLUGIN]
+    (run,) = plugin.active.values()
+    spec = run.run_spec
+    flat = 3
+    key = spec.spec.output_key(flat)
+    first = spec.worker_for(flat)
+    assert key == outputs[flat]
+    assert s.tasks[key].who_has == {s.workers[first]}
+
+    del futures[flat]  # its result goes; its pieces went as it was assembled
+    await _forgotten(s, key)
+    (again,) = c.get(graph, [key], sync=False)
+    check_result(await asyncio.wait_for(again, 30), arr[:, 18:24])
+
+    (second,) = {ws.address for ws in s.tasks[key].who_has}
+    workers = run.run_spec.workers
+    assert second == workers[(workers.index(first) + 1) % len(workers)]
+    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 1)
+    assert plugin.remade == 1 and run.run_spec.moved == frozenset({flat})
+    # every other output is as it was: assembled once, never again
+    assert all(s.tasks[k].state == "memory" for k in outputs if k != key)
+    del held, futures, again
+    await assert_clean(s, *ws)
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_an_output_lost_twice_comes_back_to_a_worker_that_assembled_it(c, s, *ws):
+    """Remade on the next worker each time: with three workers the third loss brings it
+    back to the first, which assembles it again from the new pieces."""
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 60)), (60, 6))
+    graph = dict(y.__dask_graph__())
+    (barrier,) = [k for k in graph if str(k).startswith("rechunk_p2p-barrier-")]
+    outputs = sorted(y.__dask_keys__()[0])
+    held, *futures = c.get(graph, [barrier, *outputs], sync=False)
+    await c.gather(futures)
+    plugin = s.plugins[PLUGIN]
+    (run,) = plugin.active.values()
+    flat, key = 7, outputs[7]
+    places = [run.run_spec.worker_for(flat)]
+    future = futures.pop(flat)
+    for _ in range(3):
+        del future
+        await _forgotten(s, key)
+        (future,) = c.get(graph, [key], sync=False)
+        check_result(await asyncio.wait_for(future, 30), arr[:, 42:48])
+        places.append(run.run_spec.worker_for(flat))
+        assert {ws.address for ws in s.tasks[key].who_has} == {places[-1]}
+    assert places[3] == places[0] and len(set(places)) == 3, places
+    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 3, 3)
+    del held, futures, future
+    await assert_clean(s, *ws)
+
+
+def _slow(block):
+    time.sleep(0.02)
+    return block + 1
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_a_consumer_lost_with_a_worker_makes_the_run_assemble_its_output_again(
+    c, s, a, b, w3
+):
+    """The way it happens: outputs of other workers consumed on one worker, which leaves
+    while the run is open. Its own outputs move; the others' outputs whose consumers'
+    results it took with it are assembled again, and the rechunk does not restart."""
+    await rechunk_p2p.register(c)
+    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 60)), (60, 2))  # 30 outputs
+    with dask.annotate(workers=[w3.address], allow_other_workers=True):
+        z = y.map_blocks(_slow)  # consumers on w3 while it is there
+    outputs = y.__dask_keys__()[0]
+    zs = c.persist(z, optimize_graph=False)
+    plugin = s.plugins[PLUGIN]
+    while not plugin.active:
+        await asyncio.sleep(0.005)
+    (run,) = plugin.active.values()
+    spec = run.run_spec
+    others = [k for f, k in enumerate(outputs) if spec.worker_for(f) != w3.address]
+    while sum(1 for k in others if s.tasks[k].state == "released") < 3:  # consumed on w3
+        await asyncio.sleep(0.002)
+    assert plugin.active, "the run ended before w3 left"
+    await w3.close()
+    check_result(await asyncio.wait_for(c.compute(zs), 60), arr + 1)
+    assert plugin.restarts == 0, plugin.restarts
+    assert plugin.remade >= 3, plugin.remade
+    del zs
+    await assert_clean(s, a, b)
