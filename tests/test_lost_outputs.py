@@ -26,18 +26,24 @@ async def _forgotten(s, key) -> None:
         await asyncio.sleep(0.005)
 
 
-@gen_cluster(client=True, nthreads=THREE)
-async def test_an_output_lost_after_assembly_is_assembled_again_on_the_next_worker(c, s, *ws):
+async def _open_run_done(c) -> tuple:
+    """A rechunk of 10 outputs, all assembled, whose run stays open: the client wants its
+    barrier too, as the run stays open while other outputs are still to come. Returns the
+    input, the graph, the outputs' keys and the futures of the barrier and the outputs."""
     await rechunk_p2p.register(c)
     arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
-    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 60)), (60, 6))  # 10 outputs
+    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 60)), (60, 6))
     graph = dict(y.__dask_graph__())
     (barrier,) = [k for k in graph if str(k).startswith("rechunk_p2p-barrier-")]
     outputs = sorted(y.__dask_keys__()[0])
-    # the client wants the barrier too: the run stays open after its outputs are done, as
-    # it does while other outputs are still to come
     held, *futures = c.get(graph, [barrier, *outputs], sync=False)
     await c.gather(futures)
+    return arr, graph, outputs, held, futures
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_an_output_lost_after_assembly_is_assembled_again_on_the_next_worker(c, s, *ws):
+    arr, graph, outputs, held, futures = await _open_run_done(c)
     plugin = s.plugins[PLUGIN]
     (run,) = plugin.active.values()
     spec = run.run_spec
@@ -67,14 +73,7 @@ async def test_an_output_lost_after_assembly_is_assembled_again_on_the_next_work
 async def test_an_output_lost_twice_comes_back_to_a_worker_that_assembled_it(c, s, *ws):
     """Remade on the next worker each time: with three workers the third loss brings it
     back to the first, which assembles it again from the new pieces."""
-    await rechunk_p2p.register(c)
-    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
-    y = rechunk_p2p.rechunk(da.from_array(arr, chunks=(1, 60)), (60, 6))
-    graph = dict(y.__dask_graph__())
-    (barrier,) = [k for k in graph if str(k).startswith("rechunk_p2p-barrier-")]
-    outputs = sorted(y.__dask_keys__()[0])
-    held, *futures = c.get(graph, [barrier, *outputs], sync=False)
-    await c.gather(futures)
+    arr, graph, outputs, held, futures = await _open_run_done(c)
     plugin = s.plugins[PLUGIN]
     (run,) = plugin.active.values()
     flat, key = 7, outputs[7]
