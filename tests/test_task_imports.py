@@ -56,3 +56,34 @@ def test_the_setup_imports_every_module_a_task_names(origin):
         check=True,
     )
     assert done.stdout.decode().strip() == "[]", done.stdout.decode()
+
+
+def _modules() -> list[str]:
+    return sorted(sys.modules)
+
+
+def test_a_workers_first_rechunk_imports_nothing():
+    """Nor does running the tasks import anything: a module imported in a task thread is
+    compiled there when no bytecode is cached, holding the GIL, and the worker's loop stalls
+    (the scheduler's modules, once pulled in by the module a task asks for its plugin, made a
+    32-worker rechunk's worst loop stalls, 90-220 ms)."""
+    from distributed import Client, LocalCluster, wait
+
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        rechunk_p2p.register(client)
+        x = da.random.default_rng(2).random((32, 64, 64), chunks=(1, 64, 64)).persist()
+        wait(x)
+        before = client.run(_modules)
+        y = rechunk_p2p.rechunk(x, (32, 16, 16)).persist()
+        wait(y)
+        after = client.run(_modules)
+        assert len(before) == 2
+        for worker, names in after.items():
+            assert sorted(set(names) - set(before[worker])) == [], worker
+        assert "rechunk_p2p.scheduler" not in after.popitem()[1]  # (the scheduler's only)
+        del x, y

@@ -31,6 +31,7 @@ TASK_MODULES = (
     "zarr",
     "rechunk_p2p.graph",
     "rechunk_p2p.tasks",
+    "rechunk_p2p.worker.install",  # (every task asks it for the plugin)
     "rechunk_p2p.sources",
     "rechunk_p2p.integrations.zarr_writes",
 )

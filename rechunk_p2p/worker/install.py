@@ -13,7 +13,6 @@ from distributed.protocol.pickle import dumps
 
 from rechunk_p2p.errors import ClusterError, StaleRunError
 from rechunk_p2p.offload import from_thread
-from rechunk_p2p.scheduler import RechunkSchedulerPlugin
 from rechunk_p2p.spec import PLUGIN_NAME
 from rechunk_p2p.worker.plugin import INSTALL_TIMEOUT, RechunkWorkerPlugin, get_plugin
 from rechunk_p2p.worker.scheduler_rpc import scheduler_rpc, worker_closing
@@ -36,6 +35,11 @@ def plugin_for_task(worker: Any) -> RechunkWorkerPlugin:
 
 async def _install(worker: Any) -> None:
     """On the worker loop: register the scheduler plugin; wait for the worker plugin."""
+    # the scheduler's code (five modules) only where a task installs it: a module imported
+    # in a task thread during a rechunk is compiled there, holding the GIL (a worker loop's
+    # worst stall at 32 workers when no bytecode is cached)
+    from rechunk_p2p.scheduler import RechunkSchedulerPlugin
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + INSTALL_TIMEOUT
     try:
