@@ -164,10 +164,12 @@ class RunRecovery:
         """Output ``output``, assembled on ``worker`` before, was lost after its pieces were
         consumed (its consumers' results went with a worker that left, say) and is wanted
         again: the run continues to assemble it on the next worker, every input sending its
-        pieces again; nothing else of the run is done again. Whether it did: not when the
-        run has no other worker, a worker of the run is gone, or the barrier failed (then
-        the run restarts).
+        pieces again; nothing else of the run is done again. Whether it did, or has nothing
+        to do (the output has another worker by now); not when the run has no other worker,
+        a worker of the run is gone, or the barrier failed (then the run restarts).
         """
+        if run.run_spec.worker_for(output) != worker:  # moved since: its task runs there
+            return True
         if len(run.run_spec.workers) < 2 or not self._can_continue(shuffle_id, run, None):
             return False
         barrier = self.scheduler.tasks[barrier_key(shuffle_id)]

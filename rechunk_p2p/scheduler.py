@@ -413,7 +413,12 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         nothing if it was replaced already."""
         run = self.active.get(shuffle_id)
         if run is not None and run.run_spec.run_id == run_id:
-            if output is not None and self.remake(shuffle_id, run, output, worker or "", reason):
+            remade = (
+                output is not None
+                and worker is not None
+                and self.remake(shuffle_id, run, output, worker, reason)
+            )
+            if remade:
                 return {"status": "OK"}
             logger.warning("Restarting rechunk %s (run %d): %s", shuffle_id, run_id, reason)
             self.restarts += 1

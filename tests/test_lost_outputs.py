@@ -126,3 +126,31 @@ async def test_a_consumer_lost_with_a_worker_makes_the_run_assemble_its_output_a
     assert plugin.remade >= 3, plugin.remade
     del zs
     await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_a_report_from_a_worker_that_no_longer_has_the_output_changes_nothing(c, s, *ws):
+    """A lost output reported by a worker that is not its worker in the run (it moved
+    meanwhile): its task runs where it is now; the run goes on as it is."""
+    arr, graph, outputs, held, futures = await _open_run_done(c)
+    plugin = s.plugins[PLUGIN]
+    (run,) = plugin.active.values()
+    spec = run.run_spec
+    flat = 5
+    other = next(w for w in spec.workers if w != spec.worker_for(flat))
+    reply = plugin.restart_run(spec.shuffle_id, spec.run_id, "lost", output=flat, worker=other)
+    assert reply == {"status": "OK"}
+    assert run.run_spec is spec and plugin.active
+    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 0, 0)
+    # reported by its worker, it is assembled again
+    plugin.restart_run(
+        spec.shuffle_id, spec.run_id, "lost", output=flat, worker=spec.worker_for(flat)
+    )
+    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 1, 1)
+    assert run.run_spec.worker_for(flat) != spec.worker_for(flat)
+    del futures[flat]
+    await _forgotten(s, outputs[flat])
+    (again,) = c.get(graph, [outputs[flat]], sync=False)
+    check_result(await asyncio.wait_for(again, 30), arr[:, 30:36])
+    del held, futures, again
+    await assert_clean(s, *ws)
