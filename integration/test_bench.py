@@ -46,9 +46,11 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         if r["impl"] != "dask-tasks":  # (no transfer or barrier there)
             # (workers' task times, on the scheduler's clock by distributed's estimate of
             # each worker's offset, from the middle of a heartbeat's round trip: off by up
-            # to half of one, 0.14 s seen while the default test run loaded the machine)
-            assert -0.5 <= r["to_first_transfer_s"] < r["wall_s"] + 0.5, r
-            assert -0.5 <= r["barrier_to_last_output_s"] < r["wall_s"] + 0.5, r
+            # to half of one; 0.14 s seen while the default test run loaded the machine, and
+            # 0.53 s past the wall in a fresh clone's .ci/run)
+            slack = 1.5
+            assert -slack <= r["to_first_transfer_s"] < r["wall_s"] + slack, r
+            assert -slack <= r["barrier_to_last_output_s"] < r["wall_s"] + slack, r
     ours = [r for r in doc["runs"] if r["impl"] == "rechunk_p2p"]
     assert all(r["messages_sent"] > 0 and r["bytes_sent"] > 0 for r in ours)
     assert doc["runs"][1]["phases_s"] is None  # dask's own methods have no engine phases
