@@ -57,6 +57,9 @@ class SchedulerRun:
     # (run id -> that run's resend_all)
     carried: dict[RunId, frozenset[int]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)  # when the run was created
+    # outputs assembled where they are now (their pieces consumed there): one whose task is
+    # wanted again must be assembled again elsewhere
+    assembled: set[int] = field(default_factory=set)
 
     @property
     def shuffle_id(self) -> ShuffleId:
@@ -151,11 +154,19 @@ class RunRecovery:
         The other workers hear of the continuation before the barrier is released, with
         their outputs that are not finished on the scheduler: outputs among them that the
         worker assembled already, or is assembling (tasks that the release cancels), are kept
-        for the continued run's tasks (their pieces are gone).
+        for the continued run's tasks (their pieces are gone). The other workers' outputs
+        assembled before and wanted again (their consumers' results went with the worker,
+        say) are assembled again by the same continuation (:meth:`_wanted_again`).
         """
         barrier = self.scheduler.tasks[barrier_key(shuffle_id)]
         resend_all = self._resend_all(run, worker, barrier)
-        new = run.run_spec.continued_without(worker, RunId(next(self._run_ids)), resend_all)
+        again = frozenset(
+            f for f in self._wanted_again(run) if run.run_spec.worker_for(f) != worker
+        )
+        new = run.run_spec.continued_without(
+            worker, RunId(next(self._run_ids)), resend_all, remake=again
+        )
+        self.remade += len(again)
         self._continue_as(shuffle_id, run, new, barrier, f"Worker {worker} left", worker)
 
     def remake(
@@ -164,20 +175,36 @@ class RunRecovery:
         """Output ``output``, assembled on ``worker`` before, was lost after its pieces were
         consumed (its consumers' results went with a worker that left, say) and is wanted
         again: the run continues to assemble it on the next worker, every input sending its
-        pieces again; nothing else of the run is done again. Whether it did, or has nothing
-        to do (the output has another worker by now); not when the run has no other worker,
-        a worker of the run is gone, or the barrier failed (then the run restarts).
+        pieces again, and with it every other output assembled before and wanted again
+        (:meth:`_wanted_again`); nothing else of the run is done again. Whether it did, or
+        has nothing to do (the output has another worker by now); not when the run has no
+        other worker, a worker of the run is gone, or the barrier failed (then the run
+        restarts).
         """
         if run.run_spec.worker_for(output) != worker:  # moved since: its task runs there
             return True
         if len(run.run_spec.workers) < 2 or not self._can_continue(shuffle_id, run, None):
             return False
         barrier = self.scheduler.tasks[barrier_key(shuffle_id)]
-        new = run.run_spec.remaking(frozenset({output}), RunId(next(self._run_ids)))
-        self.remade += 1
-        why = f"Output {run.run_spec.spec.partial.output_index(output)} was lost ({reason})"
+        again = self._wanted_again(run) | {output}
+        new = run.run_spec.remaking(again, RunId(next(self._run_ids)))
+        self.remade += len(again)
+        index = run.run_spec.spec.partial.output_index(output)
+        others = f" and {len(again) - 1} more" if len(again) > 1 else ""
+        why = f"Output {index}{others} was lost ({reason})"
         self._continue_as(shuffle_id, run, new, barrier, why)
         return True
+
+    def _wanted_again(self, run: SchedulerRun) -> frozenset[int]:
+        """Outputs of ``run`` assembled before whose results are gone and whose tasks are
+        to run again: each would find its pieces consumed, so one continuation assembles
+        them all again (rather than one each, every transfer running again each time)."""
+        spec, tasks = run.run_spec.spec, self.scheduler.tasks
+        return frozenset(
+            flat
+            for flat in run.assembled
+            if (ts := tasks.get(spec.output_key(flat))) is not None and ts.state in BARRIER_PENDING
+        )
 
     def _continue_as(
         self,
@@ -202,6 +229,7 @@ class RunRecovery:
         run.carried = {**run.carried, old.run_id: old.resend_all} if carry else {}
         run.run_spec = new
         run.owners = new.owners()
+        run.assembled -= moved
         if worker is not None:
             run.participants.discard(worker)
             run.departed.add(worker)

@@ -34,6 +34,7 @@ from rechunk_p2p.settings import SchedulerSettings
 from rechunk_p2p.spec import (
     BARRIER_PREFIX,
     METADATA_KEY,
+    OUTPUT_METADATA,
     PLUGIN_NAME,
     RUN_METADATA,
     TRANSFER_PREFIX,
@@ -429,8 +430,8 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     # --- lifecycle ------------------------------------------------------------------------
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        """Note where each transfer ran; forget a run once its barrier is released, erred or
-        forgotten; count the errors of either by type."""
+        """Note where each transfer ran and which outputs were assembled; forget a run once
+        its barrier is released, erred or forgotten; count the errors of either by type."""
         transfer = isinstance(key, tuple) and TRANSFER_PREFIX in key[0]
         if finish == "erred" and start == "processing" and (transfer or id_from_key(key)):
             self.errors[error_type(kwargs.get("exception_text", ""))] += 1
@@ -447,6 +448,9 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
                 asyncio.get_running_loop().call_soon(self._refill, worker)
             return
         if finish not in ("memory", "released", "erred", "forgotten"):
+            return
+        if finish == "memory" and OUTPUT_METADATA in (meta := kwargs.get("metadata") or {}):
+            self._assembled(*meta[OUTPUT_METADATA])
             return
         shuffle_id = id_from_key(key)
         run = self.active.get(shuffle_id) if shuffle_id is not None else None
@@ -466,6 +470,11 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
             loop.call_soon(self._close_if_done, shuffle_id, run, run.run_spec.run_id)
             return
         self._close(shuffle_id, reason=f"barrier {finish}")
+
+    def _assembled(self, shuffle_id: ShuffleId, run_id: RunId, flat: int) -> None:
+        run = self.active.get(shuffle_id)
+        if run is not None and run.run_spec.accepts(run_id):
+            run.assembled.add(flat)
 
     def _close_if_done(self, shuffle_id: ShuffleId, run: SchedulerRun, run_id: RunId) -> None:
         """Close ``run`` after its barrier left memory, unless it was continued (or closed)

@@ -45,6 +45,9 @@ METADATA_KEY = "rechunk-p2p-dataplane"
 #: Key of a transfer task's metadata (sent with its result's task-finished message) naming
 #: the run it cut its inputs for.
 RUN_METADATA = "rechunk-p2p-run"
+#: Key of an unpack task's metadata naming the output it assembled (``[shuffle id, run id,
+#: flat index]``): the scheduler learns which outputs' pieces are consumed.
+OUTPUT_METADATA = "rechunk-p2p-output"
 
 
 #: Longest transfer name led by the input's key group (dask cuts fused names at 115 characters)
@@ -317,13 +320,19 @@ class RunSpec:
         )
 
     def continued_without(
-        self, worker: str, run_id: RunId, resend_all: frozenset[int] = frozenset()
+        self,
+        worker: str,
+        run_id: RunId,
+        resend_all: frozenset[int] = frozenset(),
+        remake: frozenset[int] = frozenset(),
     ) -> RunSpec:
         """The run that continues this one after ``worker``, an owner, left.
 
         Its outputs move to the other workers, split in contiguous blocks (one per worker, in
         order); every other output keeps its worker, and with it the pieces delivered there
-        and the outputs finished there. ``resend_all``: see the class.
+        and the outputs finished there, but for ``remake``: other workers' outputs to
+        assemble again (see :meth:`remaking`), each on the worker after its own. ``resend_all``:
+        see the class.
 
         >>> from rechunk_p2p.planning import make_partials
         >>> (p,) = make_partials(((4,), (6,)), ((4,), (1,) * 6))
@@ -334,6 +343,9 @@ class RunSpec:
         >>> after = run.continued_without("b", RunId(2))
         >>> [after.worker_for(i) for i in range(6)], sorted(after.moved), after.lineage
         (['a', 'a', 'a', 'c', 'c', 'c'], [2, 3], (1,))
+        >>> again = run.continued_without("b", RunId(2), remake=frozenset({0, 5}))
+        >>> [again.worker_for(i) for i in range(6)], sorted(again.moved)
+        (['c', 'a', 'a', 'c', 'c', 'a'], [0, 2, 3, 5])
         """
         lost = self.workers.index(worker)
         positions = self.worker_positions(self.spec.outputs_array)
@@ -343,7 +355,10 @@ class RunSpec:
         renumber[survivors] = np.arange(len(survivors))
         table = renumber[positions]
         table[moving] = np.arange(len(moving)) * len(survivors) // max(len(moving), 1)
-        moved = self.spec.outputs_array[moving].tolist()
+        again = np.searchsorted(self.spec.outputs_array, sorted(remake)).astype(np.int64)
+        again = again[positions[again] != lost]
+        table[again] = (table[again] + 1) % len(survivors)
+        moved = self.spec.outputs_array[np.concatenate([moving, again])].tolist()
         return RunSpec(
             spec=self.spec,
             run_id=run_id,

@@ -124,6 +124,7 @@ async def test_a_consumer_lost_with_a_worker_makes_the_run_assemble_its_output_a
     check_result(await asyncio.wait_for(c.compute(zs), 60), arr + 1)
     assert plugin.restarts == 0, plugin.restarts
     assert plugin.remade >= 3, plugin.remade
+    assert plugin.continuations == 1, plugin.continuations  # (its outputs and the others)
     del zs
     await assert_clean(s, a, b)
 
@@ -152,5 +153,31 @@ async def test_a_report_from_a_worker_that_no_longer_has_the_output_changes_noth
     await _forgotten(s, outputs[flat])
     (again,) = c.get(graph, [outputs[flat]], sync=False)
     check_result(await asyncio.wait_for(again, 30), arr[:, 30:36])
+    del held, futures, again
+    await assert_clean(s, *ws)
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_outputs_lost_together_are_assembled_again_by_one_continuation(c, s, *ws):
+    """Every transfer runs again in a continuation: the outputs wanted again at once are
+    assembled again together, each on the worker after its own, not one continuation each."""
+    arr, graph, outputs, held, futures = await _open_run_done(c)
+    plugin = s.plugins[PLUGIN]
+    (run,) = plugin.active.values()
+    lost = [1, 4, 8]
+    first = {flat: run.run_spec.worker_for(flat) for flat in lost}
+    for flat in sorted(lost, reverse=True):
+        del futures[flat]
+    for flat in lost:
+        await _forgotten(s, outputs[flat])
+    again = c.get(graph, [outputs[flat] for flat in lost], sync=False)
+    for flat, future in zip(lost, again):
+        check_result(await asyncio.wait_for(future, 30), arr[:, 6 * flat : 6 * flat + 6])
+    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 1, 3)
+    workers = run.run_spec.workers
+    for flat in lost:
+        (where,) = {ws.address for ws in s.tasks[outputs[flat]].who_has}
+        assert where == workers[(workers.index(first[flat]) + 1) % len(workers)]
+    assert all(s.tasks[k].state == "memory" for k in outputs if k in s.tasks)
     del held, futures, again
     await assert_clean(s, *ws)

@@ -31,6 +31,7 @@ from rechunk_p2p.offload import OffloadPool, from_thread, on_loop
 from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import (
     METADATA_KEY,
+    OUTPUT_METADATA,
     PLUGIN_NAME,
     RUN_METADATA,
     RunId,
@@ -381,10 +382,14 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def _noted(self, run_id: RunId) -> RunId:
         """``run_id``, also put in the running task's metadata: the scheduler learns with the
         result which run a transfer cut for (when a run was continued while it ran)."""
+        self._note(RUN_METADATA, run_id)
+        return run_id
+
+    def _note(self, name: str, value: Any) -> None:
+        """Put ``value`` in the running task's metadata, sent with its result."""
         ts = self.worker.state.tasks.get(self.worker.get_current_task())
         if ts is not None:  # (read from the task thread: the task stays while it runs)
-            ts.metadata[RUN_METADATA] = run_id
-        return run_id
+            ts.metadata[name] = value
 
     def barrier_blocking(self, shuffle_id: ShuffleId, run_ids: tuple[RunId, ...]) -> int:
         """From the barrier task: make every worker flush its sends; the run id.
@@ -422,13 +427,15 @@ class RechunkWorkerPlugin(WorkerPlugin):
             )
             raise Reschedule()
         try:
-            return run.get_output_blocking(flat)
+            output = run.get_output_blocking(flat)
         except OutputConsumedError as e:
             # its pieces are gone with a result the worker dropped: the run goes on to
             # assemble it again elsewhere (or restarts)
             loop = self.worker.loop.asyncio_loop
             from_thread(loop, self._restart, shuffle_id, run_id, str(e), flat)
             raise Reschedule() from None
+        self._note(OUTPUT_METADATA, [shuffle_id, run_id, flat])
+        return output
 
     async def _restart(
         self, shuffle_id: ShuffleId, run_id: RunId, reason: str, output: int
