@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import dask
 import dask.array as da
@@ -266,9 +267,10 @@ def test_a_barrier_task_survives_substitution():
 
 @gen_cluster(client=True, nthreads=NTHREADS_2)
 async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
-    """A worker idle for UNFREEZE_IDLE_SECONDS (shortened here) closes the data plane's
-    connections no send uses and lets its free receive buffers go; the next rechunk opens
-    what it needs."""
+    """A worker idle for UNFREEZE_IDLE_SECONDS lets its free receive buffers go, and keeps
+    the data plane's connections until CONNECTIONS_IDLE_SECONDS (both shortened here): the
+    next rechunk of a session finds them open. Then it closes those no send uses; the next
+    rechunk opens what it needs."""
     from rechunk_p2p.transport.dataplane import DataPlane
     from rechunk_p2p.worker import idle as idle_module
 
@@ -278,20 +280,25 @@ async def test_idle_data_plane_connections_are_closed(c, s, a, b, monkeypatch):
     async def close_idle(self):
         before = self.idle_connections()
         await original(self)
-        closed.append((before, self.idle_connections()))
+        closed.append((before, self.idle_connections(), time.monotonic()))
 
     monkeypatch.setattr(DataPlane, "close_idle", close_idle)
     monkeypatch.setattr(idle_module, "UNFREEZE_IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(idle_module, "CONNECTIONS_IDLE_SECONDS", 3.0)
     await rechunk_p2p.register(c)
     x = da.random.default_rng(5).random((40, 30), chunks=(4, 30))
     await _check(c, s, [a, b], x, (40, 3))
     planes = [w.plugins["rechunk-p2p"].dataplane for w in (a, b)]
-    for _ in range(200):
+    while any(p.free_buffer_bytes() for p in planes):
+        await asyncio.sleep(0.02)
+    let_go = time.monotonic()
+    assert all(p.idle_connections() for p in planes) and not closed
+    for _ in range(300):
         if len(closed) >= 2 and not any(p.idle_connections() for p in planes):
             break
         await asyncio.sleep(0.05)
-    assert len(closed) >= 2 and all(before > 0 and after == 0 for before, after in closed)
-    assert not any(p.receive_buffers.free_bytes for p in planes)  # (let go as well)
+    assert len(closed) >= 2 and all(before > 0 and after == 0 for before, after, _ in closed)
+    assert min(when for *_, when in closed) - let_go > 1.5  # (3 s idle, 0.2 s at let_go)
     await _check(c, s, [a, b], x, (40, 5))  # connections are opened again
 
 

@@ -155,17 +155,20 @@ class DataPlane:
         """The buffers received payloads are read into (``None`` before the start)."""
         return None if self._server is None else self._server.buffers
 
-    def holds_idle(self) -> bool:
-        """Whether outgoing connections are open but unused, or receive buffers kept free
-        (read from any thread: maybe a step behind)."""
+    def free_buffer_bytes(self) -> int:
+        """Bytes of receive buffers kept free for the next payloads (read from any thread:
+        maybe a step behind)."""
         buffers = self.receive_buffers
-        return bool(self.idle_connections() or (buffers is not None and buffers.free_bytes))
+        return 0 if buffers is None else buffers.free_bytes
 
     async def close_idle(self) -> None:
-        """On this loop: close the outgoing connections no send uses and let the free
-        receive buffers go (the worker is idle); the next send opens what it needs."""
+        """On this loop: close the outgoing connections no send uses (the worker has long
+        been idle); the next send opens what it needs."""
         if self._pool is not None:
             self._pool.close_idle()
+
+    async def let_buffers_go(self) -> None:
+        """On this loop: let the free receive buffers go (the worker is idle)."""
         if (buffers := self.receive_buffers) is not None:
             buffers.clear()
 

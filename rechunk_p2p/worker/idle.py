@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 #: reduction's, say)
 UNFREEZE_IDLE_SECONDS = 5.0
 
+#: How long a worker runs no task and holds no run before it closes the data plane's
+#: connections no send uses: a rechunk opens one to each peer it sends to (W - 1 at W
+#: workers, about 0.4 ms of CPU at each end), and the next rechunk of a session finds them
+#: open (an idle connection costs a file descriptor, nothing else)
+CONNECTIONS_IDLE_SECONDS = 60.0
 #: Longest a worker told that a graph with a rechunk reached the scheduler waits for a task
 #: before it may count as idle
 UNFREEZE_EXPECT_SECONDS = 60.0
@@ -36,7 +41,8 @@ class IdleWatch:
     beyond its open runs: the transfer tasks (and the tasks that read held inputs for them)
     that have not finished here, and a graph with a rechunk announced by the scheduler
     whose tasks have not come yet; and, once the worker has been idle for
-    :data:`UNFREEZE_IDLE_SECONDS`, the unfreeze and the closing of idle connections.
+    :data:`UNFREEZE_IDLE_SECONDS`, the unfreeze and the letting go of free receive buffers,
+    and after :data:`CONNECTIONS_IDLE_SECONDS` the closing of idle connections.
 
     ``freeze_early``: the process's objects are frozen when a graph with a rechunk is
     announced or one of its transfer tasks arrives (``worker.process-tuning``).
@@ -88,9 +94,10 @@ class IdleWatch:
     async def _watch(self) -> None:
         """Once no run is open or asked for, nothing above keeps the worker busy and no task
         has run for :data:`UNFREEZE_IDLE_SECONDS`: unfreeze and collect (a full collection,
-        which stops the loop too, so it must not fall between the phases of a rechunk),
-        and close the data plane's idle connections (a worker keeps one or more to every
-        peer it sent to) and let its free receive buffers go."""
+        which stops the loop too, so it must not fall between the phases of a rechunk), and
+        let the data plane's free receive buffers go; after
+        :data:`CONNECTIONS_IDLE_SECONDS`, close its idle connections (a worker keeps one or
+        more to every peer it sent to)."""
         plugin = self._plugin
         state = getattr(plugin.worker, "state", None)
         loop = asyncio.get_running_loop()
@@ -104,15 +111,21 @@ class IdleWatch:
                 or self.unfinished_transfers
                 or (self.expected_until is not None and now < self.expected_until)
             )
-            dataplane = plugin.dataplane
-            dataplane_idle = dataplane is not None and dataplane.holds_idle()
-            if busy or plugin.runs or not (_tuning.frozen_unused or dataplane_idle):
+            if busy or plugin.runs:
                 idle_since = None
                 continue
             if idle_since is None:
                 idle_since = now
-            elif now - idle_since >= UNFREEZE_IDLE_SECONDS:
-                _tuning.unfreeze_unused()
-                if dataplane_idle and dataplane is not None:
-                    await on_loop(dataplane.loop, dataplane.close_idle)
-                idle_since = None
+                continue
+            dataplane = plugin.dataplane
+            if now - idle_since >= UNFREEZE_IDLE_SECONDS:
+                if _tuning.frozen_unused:
+                    _tuning.unfreeze_unused()
+                if dataplane is not None and dataplane.free_buffer_bytes():
+                    await on_loop(dataplane.loop, dataplane.let_buffers_go)
+            if (
+                now - idle_since >= CONNECTIONS_IDLE_SECONDS
+                and dataplane is not None
+                and dataplane.idle_connections()
+            ):
+                await on_loop(dataplane.loop, dataplane.close_idle)
