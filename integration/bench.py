@@ -50,7 +50,7 @@ from integration.bench_tables import (
 )
 from integration.lag_bounds import LagBounds, violations
 from integration.reference import measure
-from integration.resources import ResourceSampler
+from integration.resources import ResourceSampler, idle_cpu_blocking
 from integration.workloads import (
     DEFAULT_BYTES,
     IMPLEMENTATIONS,
@@ -209,6 +209,7 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
     except Exception as e:  # e.g. an implementation refusing the workload
         return {**out, "ok": False, "error": f"{type(e).__name__}: {e}"}
     held = None
+    idle = idle_cpu_blocking(pids)  # (the input is held by now; nothing runs)
     sched_tid = run_probes.scheduler_thread(client)
     sched_cpu0 = run_probes.thread_cpu_seconds(sched_tid)
     task_cpu0 = run_probes.task_cpu_seconds(client)
@@ -251,6 +252,7 @@ def run_one(client: Client, impl: str, w: Workload, args: argparse.Namespace) ->
         "rss_peak_bytes": peaks.rss_bytes,
         "disk_peak_bytes": peaks.disk_bytes,
         "worker_cpu_s": peaks.cpu_seconds,
+        "idle_cpu_cores": idle,
         "task_cpu_s": {a: task_cpu1[a] - task_cpu0.get(a, 0.0) for a in task_cpu1},
         "scheduler_cpu_s": (
             None if sched_cpu0 is None or sched_cpu1 is None else sched_cpu1 - sched_cpu0

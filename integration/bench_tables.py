@@ -67,6 +67,7 @@ def scale_figures(run: dict[str, Any], worker_lags: list[dict[str, Any]]) -> dic
         if lag.get("distributed", {}).get(a, {}).get("server_type") == "Scheduler"
     ]
     cpu, tasks = run.get("worker_cpu_s") or {}, run.get("task_cpu_s") or {}
+    idle = run.get("idle_cpu_cores") or {}
     outside = [cpu[a] - tasks[a] for a in cpu if a in tasks]
     messages, sent = run.get("messages_sent"), run.get("bytes_sent")
 
@@ -94,6 +95,10 @@ def scale_figures(run: dict[str, Any], worker_lags: list[dict[str, Any]]) -> dic
             default=nan,
         ),
         "cpu_outside_tasks_s": max(outside, default=nan),
+        # the workers' CPU less what they took idle (measured just before) for as long
+        "cpu_above_idle_s": (
+            sum(cpu.values()) - sum(idle.values()) * run["wall_s"] if cpu and idle else nan
+        ),
         "messages": value(messages),
         "bytes_per_message": sent / messages if messages and sent is not None else nan,
         "connections": max((run.get("connections_at_end") or {}).values(), default=nan),

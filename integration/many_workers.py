@@ -48,6 +48,7 @@ PROBE_INTERVAL = "20ms"
 FIGURES = (
     ("wall_s", "wall s", 1.0),
     ("cpu_s", "workers' CPU s", 1.0),
+    ("cpu_above_idle_s", "workers' CPU above idle s", 1.0),
     ("cpu_outside_tasks_s", "max CPU outside tasks s", 1.0),
     ("scheduler_cpu_s", "scheduler CPU s", 1.0),
     ("scheduler_max_ms", "scheduler loop max ms", 1.0),
@@ -128,6 +129,29 @@ def format_ratios(points: list[dict[str, Any]], impls: list[str]) -> str:
     return "\n".join(lines)
 
 
+def format_growth(points: list[dict[str, Any]]) -> str:
+    """The workers' CPU at each count over that at the smallest, per sweep, workload and
+    implementation: raw, and above what the workers take idle (``nan`` where not recorded).
+    In a strong sweep the bytes are the same at every count."""
+    lines = ["workers' CPU over that at the fewest workers: raw, above idle"]
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["sweep"], p["workload"], p["impl"]), []).append(p)
+    for (sweep, workload, impl), group in groups.items():
+        group.sort(key=lambda p: p["workers"])
+        first = group[0]
+        for p in group[1:]:
+            raw = p["cpu_s"] / first["cpu_s"]
+            above = p.get("cpu_above_idle_s", float("nan")) / first.get(
+                "cpu_above_idle_s", float("nan")
+            )
+            lines.append(
+                f"  {sweep:6s} {workload:22s} {impl:12s} {p['workers']:3d} vs "
+                f"{first['workers']:3d} workers: {raw:.2f}x, {above:.2f}x"
+            )
+    return "\n".join(lines)
+
+
 def plot(points: list[dict[str, Any]], figure: Path, title: str) -> Path:
     """Each figure against the worker count, one line per sweep, workload and implementation."""
     import matplotlib
@@ -191,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "many_workers.json").write_text(json.dumps({"meta": meta, "points": points}))
     print(format_points(points))
     print(format_ratios(points, args.impls.split(",")))
+    print(format_growth(points))
     print("figure:", plot(points, args.out / "many_workers.png", title))
     return 0
 

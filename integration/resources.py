@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,6 +44,19 @@ class ResourcePeaks:
     cpu_seconds: dict[str, float]
     fds: dict[str, int]
     connections: dict[str, int]
+
+
+def idle_cpu_blocking(pids: Mapping[str, int], seconds: float = 1.0) -> dict[str, float]:
+    """Each process's CPU (cores: user + system seconds a second) over ``seconds`` of
+    waiting here: what the workers take while nothing runs (heartbeats, the system
+    monitor), which a run's CPU figure holds too, for as long as the run lasts."""
+    procs = {a: psutil.Process(p) for a, p in pids.items()}
+    before = {a: sum(p.cpu_times()[:2]) for a, p in procs.items()}
+    start = time.monotonic()
+    time.sleep(seconds)
+    after = {a: sum(p.cpu_times()[:2]) for a, p in procs.items()}
+    elapsed = time.monotonic() - start
+    return {a: (after[a] - before[a]) / elapsed for a in before}
 
 
 def directory_bytes_blocking(path: str) -> int:

@@ -43,6 +43,9 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert r["scheduler_cpu_s"] > 0 and min(r["fds_at_end"].values()) > 0, r
         assert min(r["connections_at_end"].values()) > 0  # at least the scheduler's
         assert 0 < sum(r["task_cpu_s"].values()) <= sum(r["worker_cpu_s"].values()) + 0.5
+        # idle workers take some CPU (heartbeats), and far from a core each
+        assert set(r["idle_cpu_cores"]) == set(r["worker_cpu_s"]), r
+        assert 0 <= sum(r["idle_cpu_cores"].values()) < len(r["idle_cpu_cores"]) * 0.5, r
         if r["impl"] != "dask-tasks":  # (no transfer or barrier there)
             # (workers' task times, on the scheduler's clock by distributed's estimate of
             # each worker's offset, from the middle of a heartbeat's round trip: off by up
@@ -214,5 +217,8 @@ def test_many_workers_sweep_small(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert all(p["messages"] > 0 for p in points if p["impl"] == "rechunk_p2p")
     out = capsys.readouterr().out
     assert "rechunk_p2p / other" in out and "3 workers vs dask-p2p" in out
+    assert "rechunk_p2p    3 vs   2 workers" in out
+    for p in points:  # (the workers' idle CPU over the run's wall taken off)
+        assert 0 < p["cpu_above_idle_s"] <= p["cpu_s"], p
     pytest.importorskip("matplotlib")
     assert (tmp_path / "many_workers.png").stat().st_size > 10_000
