@@ -359,6 +359,29 @@ async def test_a_worker_expecting_a_rechunk_keeps_its_objects_frozen_until_the_g
     await _unfrozen(frozen_before)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_task_between_two_looks_of_the_idle_watch_starts_the_idle_period_again(c, s, a):
+    """The watch looks every quarter of UNFREEZE_IDLE_SECONDS (1 s here). A rechunk's tasks
+    may come and go between two looks, on a worker idle long before: the unfreeze (a full
+    collection) still waits a whole idle period after them, not the next look."""
+    import gc
+
+    from rechunk_p2p.worker.tuning import PROCESS_TUNING
+
+    frozen_before = gc.get_freeze_count()
+    await rechunk_p2p.register(c)
+    plugin = a.plugins["rechunk-p2p"]
+    await asyncio.sleep(2.5)  # idle for over an idle period, nothing to let go
+    assert gc.get_freeze_count() == frozen_before
+    PROCESS_TUNING.freeze_early()  # as a transfer task's arrival does ...
+    key = ("inc-0a1b", 0)
+    for start, finish in [("released", "waiting"), ("waiting", "memory"), ("memory", "released")]:
+        plugin.idle.transition(key, start, finish)  # ... and it ran and went, between looks
+    await asyncio.sleep(0.6)  # (the next look is within 0.25 s)
+    assert gc.get_freeze_count() > frozen_before, "unfroze at the next look after a task"
+    await _unfrozen(frozen_before)
+
+
 def test_a_worker_whose_process_exits_freezes_its_heap_for_the_exit():
     """Python's exit collects the whole heap; frozen objects are left out of it. Only where
     the process ends with the worker: a closing worker under a nanny."""

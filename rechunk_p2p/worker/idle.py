@@ -53,6 +53,7 @@ class IdleWatch:
         self.freeze_early = freeze_early
         self.unfinished_transfers: set[Any] = set()
         self.expected_until: float | None = None  # loop time
+        self._moved = False  # a task changed state since the watch last looked
         self._task: asyncio.Future[None] | None = None
 
     def start(self) -> None:
@@ -69,6 +70,7 @@ class IdleWatch:
         process's objects (:meth:`ProcessTuning.freeze_early`); those here that have not
         finished are counted (the worker is not idle while one waits, for its inputs, say).
         """
+        self._moved = True
         if self.expected_until is not None and start == "released" and finish != "forgotten":
             self.expected_until = None  # a task came: the graph's tasks keep the worker busy
         if not (
@@ -111,7 +113,8 @@ class IdleWatch:
                 or self.unfinished_transfers
                 or (self.expected_until is not None and now < self.expected_until)
             )
-            if busy or plugin.runs:
+            if busy or plugin.runs or self._moved:  # (a run may start and end between looks)
+                self._moved = False
                 idle_since = None
                 continue
             if idle_since is None:
