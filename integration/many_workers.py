@@ -11,7 +11,9 @@ outside task threads), the scheduler loop thread's CPU and its loop's worst lag,
 loop lag (and without the wait for a core, which oversubscribed workers spend mostly
 in the run queue), messages sent and bytes per message (the engine's own counters; dask's P2P does
 not count them), TCP connections and file descriptors of a worker at the end, peak worker RSS,
-seconds to the first transfer and from the last barrier to the last output.
+seconds to the first transfer and from the last barrier to the last output. Beside the
+medians, each run's own wall time and workers' CPU (raw and above idle); an implementation
+whose runs all failed at a count is reported with its error, not left out.
 
 The loops are probed every ``--interval``, 20 ms by default (distributed's own tick
 interval), not the single benchmark's 5 ms: each probe sample wakes its process, about
@@ -40,6 +42,7 @@ from typing import Any
 from dask.utils import format_bytes, parse_bytes
 
 from integration import bench
+from integration.bench_tables import headline
 
 #: How often the loops are probed (see the module's docstring)
 PROBE_INTERVAL = "20ms"
@@ -80,8 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: The figures kept of every single run beside the medians (raw figures)
+RUN_FIGURES = ("wall_s", "cpu_s", "cpu_above_idle_s")
+
+
 def point(args: argparse.Namespace, workload: str, size: int, workers: int) -> list[dict]:
-    """Medians of one benchmark run of ``workers`` workers: one dict per implementation."""
+    """Medians of one benchmark run of ``workers`` workers: one dict per implementation,
+    also where every run of it failed (``runs`` 0, the errors in ``errors``), with each
+    run's own :data:`RUN_FIGURES` (or error) in ``per_run``."""
     with tempfile.TemporaryDirectory(prefix="rechunk-many-") as out:
         argv = [
             "--size", str(size), "--workloads", workload, "--impls", args.impls,
@@ -93,7 +102,16 @@ def point(args: argparse.Namespace, workload: str, size: int, workers: int) -> l
         doc = json.loads((Path(out) / "bench.json").read_text())
     probed = {r["lag"]["interval_ms"] for r in doc["runs"] if r.get("lag")}
     extra = {"size": size, "workers": workers, "probe_interval_ms": max(probed, default=None)}
-    return [m | extra for m in doc["medians"] if m.get("runs")]
+    points = []
+    for m in doc["medians"]:
+        runs = [r for r in doc["runs"] if r["impl"] == m["impl"]]
+        per_run = [
+            {k: headline(r)[k] for k in RUN_FIGURES} if r.get("ok") else {"error": r.get("error")}
+            for r in runs
+        ]
+        errors = sorted({r.get("error") or "wrong result" for r in runs if not r.get("ok")})
+        points.append(m | extra | {"per_run": per_run, "errors": errors})
+    return points
 
 
 def format_points(points: list[dict[str, Any]]) -> str:
@@ -109,6 +127,21 @@ def format_points(points: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
+def format_runs(points: list[dict[str, Any]]) -> str:
+    """Every run's own wall time and workers' CPU (raw, above idle), or its error."""
+    lines = ["each run: wall s, workers' CPU s, above idle s"]
+    for p in points:
+        runs = [
+            "failed" if "error" in r else " / ".join(f"{r[k]:.2f}" for k in RUN_FIGURES)
+            for r in p.get("per_run", [])
+        ]
+        lines.append(
+            f"  {p['sweep']:6s} {p['workload']:22s} {p['workers']:3d} {p['impl']:12s} "
+            + ",  ".join(runs)
+        )
+    return "\n".join(lines)
+
+
 def format_ratios(points: list[dict[str, Any]], impls: list[str]) -> str:
     """Wall time and workers' CPU of the first implementation over each other one's."""
     mine, others = impls[0], impls[1:]
@@ -119,7 +152,13 @@ def format_ratios(points: list[dict[str, Any]], impls: list[str]) -> str:
             continue
         for other in others:
             q = by.get((sweep, workload, workers, other))
-            if q is None:
+            if q is None or not p["runs"] or not q["runs"]:
+                failed = p if not p["runs"] else q
+                if q is not None:
+                    lines.append(
+                        f"  {sweep:6s} {workload:22s} {workers:3d} workers vs {other}: "
+                        f"{failed['impl']} failed ({'; '.join(failed['errors'])[:200]})"
+                    )
                 continue
             wall, cpu = p["wall_s"] / q["wall_s"], p["cpu_s"] / q["cpu_s"]
             lines.append(
@@ -136,7 +175,8 @@ def format_growth(points: list[dict[str, Any]]) -> str:
     lines = ["workers' CPU over that at the fewest workers: raw, above idle"]
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for p in points:
-        groups.setdefault((p["sweep"], p["workload"], p["impl"]), []).append(p)
+        if p["runs"]:
+            groups.setdefault((p["sweep"], p["workload"], p["impl"]), []).append(p)
     for (sweep, workload, impl), group in groups.items():
         group.sort(key=lambda p: p["workers"])
         first = group[0]
@@ -214,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"argv": sys.argv, "title": title}
     (args.out / "many_workers.json").write_text(json.dumps({"meta": meta, "points": points}))
     print(format_points(points))
+    print(format_runs(points))
     print(format_ratios(points, args.impls.split(",")))
     print(format_growth(points))
     print("figure:", plot(points, args.out / "many_workers.png", title))

@@ -220,5 +220,38 @@ def test_many_workers_sweep_small(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "rechunk_p2p    3 vs   2 workers" in out
     for p in points:  # (the workers' idle CPU over the run's wall taken off)
         assert 0 < p["cpu_above_idle_s"] <= p["cpu_s"], p
+        (run,) = p["per_run"]  # the raw figures of the one run are its medians
+        assert run == {k: p[k] for k in many_workers.RUN_FIGURES}, p
+        assert p["errors"] == [], p
+    assert "each run: wall s" in out
     pytest.importorskip("matplotlib")
     assert (tmp_path / "many_workers.png").stat().st_size > 10_000
+
+
+def test_many_workers_reports_a_failed_implementation() -> None:
+    """An implementation whose every run failed at a count stays in the sweep's output, with
+    its error, and the ratios and growth skip it instead of failing."""
+    from integration import many_workers
+
+    def pt(impl: str, workers: int, wall: float | None, error: str | None = None) -> dict:
+        base = {"sweep": "strong", "workload": "w", "workers": workers, "impl": impl}
+        if wall is None:
+            return base | {"runs": 0, "failed": 1, "per_run": [{"error": error}], "errors": [error]}
+        figures = {"wall_s": wall, "cpu_s": 2 * wall, "cpu_above_idle_s": wall}
+        return base | {"runs": 1, "failed": 0, **figures, "per_run": [figures], "errors": []}
+
+    points = [
+        pt("rechunk_p2p", 4, 1.0),
+        pt("dask-p2p", 4, 2.0),
+        pt("rechunk_p2p", 64, 3.0),
+        pt("dask-p2p", 64, None, "KilledWorker: all those workers died"),
+    ]
+    ratios = many_workers.format_ratios(points, ["rechunk_p2p", "dask-p2p"])
+    assert "4 workers vs dask-p2p: wall 0.50x  CPU 0.50x" in ratios
+    assert "64 workers vs dask-p2p: dask-p2p failed (KilledWorker" in ratios
+    growth = many_workers.format_growth(points)
+    assert "rechunk_p2p   64 vs   4 workers: 3.00x, 3.00x" in growth
+    assert not any("dask-p2p" in line and " 64 vs" in line for line in growth.splitlines())
+    runs = many_workers.format_runs(points)
+    assert "64 dask-p2p     failed" in runs and "64 rechunk_p2p  3.00 / 6.00 / 3.00" in runs
+    assert "nan" in many_workers.format_points(points)  # (no figures for the failed one)
