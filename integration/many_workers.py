@@ -105,9 +105,10 @@ def point(args: argparse.Namespace, workload: str, size: int, workers: int) -> l
     points = []
     for m in doc["medians"]:
         runs = [r for r in doc["runs"] if r["impl"] == m["impl"]]
+        figures = [headline(r) if r.get("ok") else None for r in runs]
         per_run = [
-            {k: headline(r)[k] for k in RUN_FIGURES} if r.get("ok") else {"error": r.get("error")}
-            for r in runs
+            {"error": r.get("error")} if h is None else {k: h[k] for k in RUN_FIGURES}
+            for r, h in zip(runs, figures)
         ]
         errors = sorted({r.get("error") or "wrong result" for r in runs if not r.get("ok")})
         points.append(m | extra | {"per_run": per_run, "errors": errors})
@@ -152,13 +153,14 @@ def format_ratios(points: list[dict[str, Any]], impls: list[str]) -> str:
             continue
         for other in others:
             q = by.get((sweep, workload, workers, other))
-            if q is None or not p["runs"] or not q["runs"]:
-                failed = p if not p["runs"] else q
-                if q is not None:
-                    lines.append(
-                        f"  {sweep:6s} {workload:22s} {workers:3d} workers vs {other}: "
-                        f"{failed['impl']} failed ({'; '.join(failed['errors'])[:200]})"
-                    )
+            if q is None:
+                continue
+            if not p["runs"] or not q["runs"]:
+                failed = q if p["runs"] else p
+                lines.append(
+                    f"  {sweep:6s} {workload:22s} {workers:3d} workers vs {other}: "
+                    f"{failed['impl']} failed ({'; '.join(failed['errors'])[:200]})"
+                )
                 continue
             wall, cpu = p["wall_s"] / q["wall_s"], p["cpu_s"] / q["cpu_s"]
             lines.append(
