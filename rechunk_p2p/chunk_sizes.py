@@ -5,7 +5,8 @@ Where it runs: the caller's thread, before anything is read or written; pure.
 
 dask's ``normalize_chunks`` fails on a zero size with a bare ``ZeroDivisionError``, turns
 ``-3`` into chunks of 1 and ``-1000`` into no change at all, and rounds ``2.5`` silently:
-each is refused here with one line that names the axis.
+each is refused here with one line that names the axis; so is a byte size of zero
+(``"0MiB"``), which dask reads as no change.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 import numbers
 from typing import Any
+
+from dask.utils import parse_bytes
 
 from rechunk_p2p.errors import RechunkInputError
 
@@ -35,7 +38,10 @@ def check_chunk_sizes(per_axis: tuple[Any, ...], shape: tuple[int, ...], label: 
     Chunk size 0 along axis 0 (length 100) of array
     """
     for axis, (size, length) in enumerate(zip(per_axis, shape)):
-        if size is None or isinstance(size, str):
+        if isinstance(size, str):
+            _check_byte_size(size, axis, length, label)
+            continue
+        if size is None:
             continue
         if isinstance(size, tuple | list):
             bad = [s for s in size if not (_whole(s) and s >= 0) and not _unknown(s)]
@@ -51,6 +57,22 @@ def check_chunk_sizes(per_axis: tuple[Any, ...], shape: tuple[int, ...], label: 
             continue
         raise RechunkInputError(
             f"Chunk size {size!r} along axis {axis} (length {length}) of {label} is not {_ALLOWED}"
+        )
+
+
+def _check_byte_size(size: str, axis: int, length: int, label: str) -> None:
+    """A string size is ``"auto"`` or a positive byte size (``"64MiB"``): dask reads
+    ``"0MiB"`` as a limit of zero bytes and leaves the axis as it is."""
+    if size.strip().lower() == "auto":
+        return
+    try:
+        nbytes = parse_bytes(size)
+    except (ValueError, TypeError):
+        nbytes = None
+    if nbytes is None or nbytes <= 0:
+        raise RechunkInputError(
+            f"Chunk size {size!r} along axis {axis} (length {length}) of {label} is not "
+            "'auto' or a positive byte size like '64MiB'"
         )
 
 

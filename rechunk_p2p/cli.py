@@ -94,6 +94,8 @@ def parse_args(argv: list[str]) -> tuple[Any, argparse.Namespace]:
             setattr(args, option, parse_chunks(getattr(args, option), option=option))
     if getattr(args, "scheduler", None) and args.workers is not None:
         raise UsageError("--scheduler and --workers exclude each other")
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        raise UsageError("--resume and --overwrite exclude each other")
     return _COMMANDS[name], args
 
 
@@ -145,13 +147,19 @@ def _chunk_value(text: str, bad: str) -> int | str:
 
 
 def _whole_spec(text: str, bad: str) -> int | str:
-    """A single value for every axis; also a byte size, as dask's ``rechunk`` accepts."""
+    """A single value for every axis; also a byte size with its unit (``64MiB``), as dask's
+    ``rechunk`` accepts. A bare number is a chunk size, never bytes: ``0``, ``2.5`` or
+    ``-3`` are refused, not read as a size in bytes."""
     with contextlib.suppress(UsageError):
         return _chunk_value(text, bad)
+    if not any(c.isalpha() for c in text):
+        raise UsageError(f"{bad}: {text!r} is not a positive size, -1, auto or a byte size")
     try:
-        parse_bytes(text)
+        nbytes = parse_bytes(text)
     except ValueError:
         raise UsageError(f"{bad}: {text!r} is not a size, -1, auto or a byte size") from None
+    if nbytes <= 0:
+        raise UsageError(f"{bad}: the byte size {text!r} is not positive")
     return text
 
 

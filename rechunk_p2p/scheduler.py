@@ -45,6 +45,7 @@ from rechunk_p2p.spec import (
     barrier_key,
     id_from_key,
 )
+from rechunk_p2p.stalls import StallWatch
 from rechunk_p2p.waves import (
     TransferWaves,
     assign_round_robin,
@@ -91,6 +92,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         self.finished: deque[FinishedRun] = deque(maxlen=FINISHED_KEPT)  # for the dashboard
         self.errors: Counter[str] = Counter()  # transfers and barriers that erred, by type
         self.tuning: SchedulerTuning | None = None
+        self.stalls: StallWatch | None = None  # outputs waiting for a worker that runs none
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -107,6 +109,8 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         scheduler.add_plugin(self, name=self.name, idempotent=True)
         self.scheduler = scheduler
         self.tuning = SchedulerTuning(lambda: scheduler.tasks, lambda: bool(self.active))
+        self.stalls = StallWatch(scheduler, lambda: self.active)
+        self.stalls.start()
         metrics.register_scheduler(self)  # on /metrics, where prometheus_client is installed
         dashboard.install(scheduler)  # the /rechunk-p2p page, where bokeh is installed
         scheduler.handlers.update(
@@ -502,6 +506,8 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     async def close(self) -> None:
         if self.tuning is not None:
             self.tuning.stop()
+        if self.stalls is not None:
+            self.stalls.stop()
 
     def restart(self, scheduler: Any) -> None:
         self.active.clear()

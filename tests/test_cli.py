@@ -55,7 +55,11 @@ def test_parse_chunks(text, expected):
 
 @pytest.mark.parametrize(
     "text",
-    ["", "time=", "=5", "time=-1,5", "time=x", "time=0", "1,,2", "time=1,time=2", "lots"],
+    [
+        *("", "time=", "=5", "time=-1,5", "time=x", "time=0", "1,,2", "time=1,time=2", "lots"),
+        # a bare number is a chunk size, never bytes; a byte size is positive
+        *("0", "2.5", "-3", "-1000", "0B", "0MiB", "time=0MiB"),
+    ],
 )
 def test_parse_chunks_refuses_malformed(text):
     with pytest.raises(UsageError, match="malformed --chunks"):
@@ -85,6 +89,8 @@ def test_parse_args_picks_the_command():
         (["a", "b", "--chunks", "1", "--workers", "0"], "positive"),
         (["demo", "--size", "lots"], "256MiB"),
         (["a", "b", "--chunks", "1", "--bogus"], "unrecognized"),
+        (["a", "b", "--chunks", "1", "--resume", "--overwrite"], "exclude each other"),
+        (["a", "b", "--chunks", "0"], "'0' is not a positive size"),
     ],
 )
 def test_usage_errors(argv, message, capsys):

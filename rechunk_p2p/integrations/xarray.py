@@ -190,17 +190,26 @@ def _variable_plan(
         new = normalize(data, axes, block_size_limit=block_size_limit, balance=balance)
         return plan_array(data, new, n_workers=n_workers)
     except RechunkInputError as e:
-        raise _for_variable(e, name, dims) from None
+        raise _for_variable(e, name, dims, data) from None
 
 
-def _for_variable(error: RechunkInputError, name: Hashable, dims: tuple[Hashable, ...]) -> Any:
-    """``error`` reworded for a variable: its name, and dimension names instead of axes."""
+def _for_variable(
+    error: RechunkInputError, name: Hashable, dims: tuple[Hashable, ...], data: Any
+) -> Any:
+    """``error`` reworded for a variable: its name where the error named dask's name of
+    its array ``data`` (``open_dataset-t2m-49c0...``, which the user never saw), and
+    dimension names instead of axes."""
     import re
 
     text = re.sub(
         r"along axis (\d+)", lambda m: f"along dimension {dims[int(m.group(1))]!r}", str(error)
     )
-    return RechunkInputError(f"variable {name!r}: {text}")
+    label = f"variable {name!r}"
+    array = f"rray {getattr(data, 'name', None)}"
+    if array in text:
+        text = text.replace(f"a{array}", label).replace(f"A{array}", label.capitalize())
+        return RechunkInputError(text)
+    return RechunkInputError(f"{label}: {text}")
 
 
 def chunks_by_dimension(obj: xr.Dataset | xr.DataArray, chunks: Any) -> dict[Hashable, Any]:
@@ -269,7 +278,7 @@ def _rechunk_variable(
     try:
         data = rechunk_array(var.data, axes, **kwargs)
     except RechunkInputError as e:
-        raise _for_variable(e, name, var.dims) from None
+        raise _for_variable(e, name, var.dims, var.data) from None
     new = var.copy(deep=False, data=data)  # a copy even if unchanged: the encoding changes
     new.encoding = _layout_encoding(var.encoding, var.dims, data.chunks)
     return new

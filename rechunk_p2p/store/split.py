@@ -22,8 +22,9 @@ from rechunk_p2p.transport.wire import Packed, split_packed_blocking
 
 
 class SplitStore:
-    """**Thread-safe** (each part guards itself; the split never changes). Outputs
-    ``in_memory`` are assembled in memory, every other output's pieces are spilled.
+    """**Thread-safe** (each part guards itself; the split changes only for outputs that
+    have no piece yet, :meth:`place`). Outputs ``in_memory`` are assembled in memory, every
+    other output's pieces are spilled.
 
     Parameters
     ----------
@@ -46,7 +47,7 @@ class SplitStore:
         self.disk = disk
         self.dtype = memory.dtype
         self.name = memory.name
-        self._in_memory = np.asarray(in_memory, dtype=bool)
+        self._in_memory = np.array(in_memory, dtype=bool)  # (its own: place changes it)
 
     def __repr__(self) -> str:
         held = int(self._in_memory.sum())
@@ -56,6 +57,11 @@ class SplitStore:
         """Whether output ``output`` is assembled in memory (taken with
         :meth:`take_output_blocking`) rather than read back from disk."""
         return 0 <= output < len(self._in_memory) and bool(self._in_memory[output])
+
+    def place(self, outputs: np.ndarray, *, in_memory: bool) -> None:
+        """Assemble ``outputs``, which have no piece here yet (a continuation moved them to
+        this worker), in memory or from disk. Called before their pieces can come."""
+        self._in_memory[np.asarray(outputs, dtype=np.int64)] = in_memory
 
     def _mask(self, outputs: Iterable[int]) -> np.ndarray:
         flats = np.fromiter(outputs, dtype=np.int64)

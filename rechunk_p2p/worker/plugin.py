@@ -43,6 +43,7 @@ from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.idle import IdleWatch
 from rechunk_p2p.worker.imports import import_task_modules_blocking
+from rechunk_p2p.worker.memory_shares import MemoryShares
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
@@ -99,8 +100,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
     threads (``*_blocking``):
 
     - ``runs``, ``_closed_totals``, ``_closed_run_ids``: **thread-safe (guarded by `_lock`)**;
-    - ``_fetching``, ``_background``, ``idle`` (:class:`IdleWatch`): **loop-confined** (the
-      worker's loop);
+    - ``_fetching``, ``_background``, ``idle`` (:class:`IdleWatch`), ``shares`` (the memory
+      budget its runs share, :class:`MemoryShares`): **loop-confined** (the worker's loop);
     - ``worker``, ``dataplane``, ``offload``, ``store_io`` (the disk stores' background
       writes and parallel reads, for every run): written once in :meth:`setup`, on the
       worker's loop, before ``_ready`` is set; read-only afterwards (tasks wait for
@@ -119,6 +120,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self.dataplane: DataPlane | None = None
         self.offload: OffloadPool | None = None
         self.store_io: OffloadPool | None = None
+        self.shares = MemoryShares()  # what the runs keep in memory, within one budget
         self._fetching: dict[ShuffleId, asyncio.Future[WorkerRun]] = {}
         self._closed_totals = WorkerTotals(0, 0, 0, 0)
         # highest run id the scheduler closed, per shuffle id (bounded, oldest dropped first)
@@ -260,7 +262,13 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
         return make_run(
-            run_spec, self.worker, self.dataplane, self.offload, self._closing, self.store_io
+            run_spec,
+            self.worker,
+            self.dataplane,
+            self.offload,
+            self._closing,
+            self.shares,
+            self.store_io,
         )
 
     def _closing(self) -> bool:

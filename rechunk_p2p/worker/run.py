@@ -25,11 +25,12 @@ from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunErr
 from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId
 from rechunk_p2p.store.assembling import AssemblingMemoryStore
-from rechunk_p2p.store.base import PieceStore, empty_output
+from rechunk_p2p.store.base import empty_output
 from rechunk_p2p.store.split import SplitStore
 from rechunk_p2p.transport.comm import CommBuffer, CommStatistics
 from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed, output_array
+from rechunk_p2p.worker.memory_shares import AnyStore, RunMemory
 from rechunk_p2p.worker.reading import read_output_blocking
 
 logger = logging.getLogger(__name__)
@@ -136,28 +137,31 @@ class WorkerRun:
         Outputs assembled last that the run keeps a reference to (one per task thread is
         enough): an output whose task was cancelled by a continuation just after it was
         assembled is kept from them (see :meth:`keep_outputs`).
+    memory
+        The run's share of the worker's memory budget, which places the outputs a
+        continuation moves here (``None``: they go where the store puts them).
     """
 
     def __init__(
         self,
         run_spec: RunSpec,
         worker_address: str,
-        store: PieceStore | AssemblingMemoryStore | SplitStore,
+        store: AnyStore,
         storage: str,
         dataplane: DataPlane,
         offload: OffloadPool,
         comm: CommBuffer,
         on_close: Callable[[], Callable[[], None] | None] | None = None,
         recent_outputs: int = 4,
+        memory: RunMemory | None = None,
     ) -> None:
         self.run_spec = run_spec
         self.worker_address = worker_address
-        self.storage = storage
-        self._store = store
         self._dataplane = dataplane
         self._offload = offload
         self._comm = comm
         self._on_close = on_close
+        self._memory = memory
         self._lock = threading.Lock()
         self._phase = RunPhase.TRANSFERRING
         self._inputs = 0
@@ -173,14 +177,22 @@ class WorkerRun:
         self._assembling: set[int] = set()
         self._recent: OrderedDict[int, np.ndarray] = OrderedDict()
         self._recent_outputs = recent_outputs
-        # the store copies pieces into their outputs as they come (it keeps no views)
-        self._assembles = isinstance(store, AssemblingMemoryStore)
         # buffers the task threads cut input chunks into, used again (see InputCutter)
         # (recent_outputs is the worker's number of task threads: a thread's buffer is free
         # again about two inputs later, when that input's batches were delivered); the idle
         # ones stay within the worker's send buffer (comm.buffer-bytes-limit)
         self._cuts = CutBuffers(max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit)
-        self._cutter = InputCutter(worker_address, storage, self._assembles)
+        self._use_store(store, storage)
+
+    def _use_store(self, store: AnyStore, storage: str) -> None:
+        """Keep pieces in ``store`` from now on (at the start, or when a continuation split
+        the store: the outputs it moved here spill). The cutter follows what the store keeps
+        of this worker's own pieces."""
+        self._store = store
+        self.storage = storage
+        # the store copies pieces into their outputs as they come (it keeps no views)
+        self._assembles = isinstance(store, AssemblingMemoryStore)
+        self._cutter = InputCutter(self.worker_address, storage, self._assembles)
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -370,12 +382,28 @@ class WorkerRun:
             if back:
                 self._store.forget_outputs_blocking(back)
                 self._assembled.difference_update(back)
-            self.run_spec = run_spec
+            self._take_moved(run_spec)
+            self.run_spec = run_spec  # (after the store: a receiver reads the spec first)
             self._set_phase_locked(RunPhase.TRANSFERRING)
         if departed:  # the comm buffer is confined to the data plane's loop
             with contextlib.suppress(RuntimeError):  # closed: the worker is going
                 self._dataplane.loop.call_soon_threadsafe(self._comm.forget, departed)
         return True
+
+    def _take_moved(self, run_spec: RunSpec) -> None:
+        """The outputs ``run_spec`` moves to this worker wait in memory while the worker's
+        budget has room, else on disk (under ``_lock``, before the continued run's pieces
+        can come)."""
+        if self._memory is None:
+            return
+        mine = [
+            f
+            for f in run_spec.reassigned(self.run_spec)
+            if run_spec.worker_for(f) == self.worker_address
+        ]
+        store = self._memory.take_moved(self._store, run_spec, mine)
+        if store is not self._store:
+            self._use_store(store, store.kind)
 
     def keep_outputs(self, outputs: list[int], held: dict[int, np.ndarray]) -> int:
         """Keep the results of ``outputs`` for the continued run's tasks of the same outputs.

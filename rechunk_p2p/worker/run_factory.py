@@ -14,15 +14,16 @@ from typing import Any
 from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import RunSpec
-from rechunk_p2p.store import make_store
+from rechunk_p2p.store import DiskPieceStore, make_store
 from rechunk_p2p.store.files import ENGINE_DIRECTORY
 from rechunk_p2p.transport import comm as comm_module
 from rechunk_p2p.transport.comm import CommBuffer
 from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.limiter import ByteLimiter
 from rechunk_p2p.transport.wire import Packed
+from rechunk_p2p.worker.memory_shares import MemoryShares, RunMemory
 from rechunk_p2p.worker.run import WorkerRun
-from rechunk_p2p.worker.storage_choice import direct_io, resolve_storage
+from rechunk_p2p.worker.storage_choice import StorageChoice, direct_io, resolve_storage
 from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
 
@@ -33,29 +34,49 @@ def make_run(
     dataplane: DataPlane,
     offload: OffloadPool,
     closing: Callable[[], bool],
+    shares: MemoryShares,
     store_io: OffloadPool | None = None,
 ) -> WorkerRun:
-    """A new run of ``run_spec`` on ``worker``: its store (spilling through ``store_io``,
-    the worker's store I/O pool), its send buffer on ``dataplane``, and the process tuning
-    held while it is open (released when it closes)."""
+    """A new run of ``run_spec`` on ``worker``: its store (within what the worker's memory
+    budget ``shares`` has left, spilling through ``store_io``, the worker's store I/O pool),
+    its send buffer on ``dataplane``, and the process tuning held while it is open (released
+    when it closes)."""
     settings = WorkerSettings.read()
     address = worker.address
-    limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
-    storage, in_memory = resolve_storage(run_spec, address, limit, settings)
+    budget = settings.memory_budget(
+        getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
+    )
+    choice = resolve_storage(run_spec, address, shares.available(budget))
+    storage = choice.kind
     directory = os.path.join(worker.local_directory, ENGINE_DIRECTORY)
     spec, partial = run_spec.spec, run_spec.spec.partial
     known = not spec.unknown_axes  # outputs can be filled as their pieces come
+    name = f"{run_spec.shuffle_id}-run{run_spec.run_id}"
     store = make_store(
-        storage,
+        storage,  # type: ignore[arg-type]  (a kind resolve_storage chose)
         dtype=spec.dtype,
         directory=directory,
-        name=f"{run_spec.shuffle_id}-run{run_spec.run_id}",
+        name=name,
         buffer_bytes=settings.disk_write_buffer_bytes,
-        direct_io=direct_io(run_spec, storage, address, limit, settings),
+        direct_io=direct_io(run_spec, choice, address, settings),
         partial=partial if known else None,
-        in_memory=in_memory,
+        in_memory=choice.in_memory,
         io_pool=store_io,
     )
+
+    def spill() -> DiskPieceStore:  # outputs a continuation moves here, past the budget
+        io = direct_io(run_spec, StorageChoice("disk"), address, settings)
+        return DiskPieceStore(
+            spec.dtype, directory, name, settings.disk_write_buffer_bytes, io, store_io
+        )
+
+    memory = RunMemory(shares, budget, address, spill)
+    memory.reserve(choice.reserved)
+
+    def on_close() -> Callable[[], None] | None:
+        memory.release()
+        return _tuning.release()
+
     shuffle_id, run_id = run_spec.shuffle_id, run_spec.run_id
 
     async def send(address: str, batch: list[Packed]) -> None:
@@ -95,7 +116,8 @@ def make_run(
         dataplane,
         offload,
         comm,
-        on_close=_tuning.release,
+        on_close=on_close,
         recent_outputs=max(getattr(worker, "nthreads", 1), 1),
+        memory=memory,
     )
     return run

@@ -183,8 +183,9 @@ def test_plan_of_a_dataset_has_a_plan_per_variable_and_totals():
     assert not same.plans  # nothing changes
 
 
-@pytest.mark.parametrize("chunks", [{"time": 0}, {"lat": -4}])
+@pytest.mark.parametrize("chunks", [{"time": 0}, {"lat": -4}, {"time": "0MiB"}])
 def test_dataset_errors_name_the_variable_and_dimension(chunks):
+    """The variable's name, never dask's name of its array, which the user never saw."""
 
     ds = xr.Dataset({"t": (("time", "lat"), np.zeros((10, 6)))}).chunk({"time": 1})
     ((dim, size),) = chunks.items()
@@ -192,5 +193,6 @@ def test_dataset_errors_name_the_variable_and_dimension(chunks):
         with pytest.raises(ValueError) as info:
             entry(ds, chunks)
         message = str(info.value)
-        assert f"variable 't': Chunk size {size} along dimension {dim!r}" in message
+        assert f"Chunk size {size!r} along dimension {dim!r}" in message
+        assert "of variable 't' is not" in message and ds.t.data.name not in message
         assert "\n" not in message and len(message) < 200
