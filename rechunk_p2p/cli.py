@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes, parse_bytes, parse_timedelta
 
 from rechunk_p2p.errors import ClusterError, RechunkInputError, RechunkP2PError
 
@@ -265,7 +265,12 @@ def _add_cluster(p: argparse.ArgumentParser, *, scheduler: bool) -> None:
     g = p.add_argument_group("cluster")
     if scheduler:
         g.add_argument("--scheduler", metavar="ADDRESS", help="use this running cluster")
-        g.add_argument("--connect-timeout", default="10s", help="for --scheduler (default 10s)")
+        g.add_argument(
+            "--connect-timeout",
+            default=10.0,
+            type=_seconds,
+            help="for --scheduler (default 10s)",
+        )
     g.add_argument("--workers", type=_positive, help="local workers (default: by CPU count)")
     g.add_argument("--threads-per-worker", type=_positive, help="default: by CPU count")
     g.add_argument("--memory-limit", default="auto", type=_memory, help="per worker, e.g. 4GiB")
@@ -287,6 +292,16 @@ def _bytes(text: str) -> int:
         return int(parse_bytes(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(parse_timedelta(text, default="s"))
+    except (ValueError, KeyError):
+        seconds = -1.0
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 10s")
+    return seconds
 
 
 def _memory(text: str) -> str:
@@ -408,13 +423,13 @@ def cluster(
 
     address = getattr(args, "scheduler", None)
     if address:
-        from rechunk_p2p.integrations.local_client import connection_refused
+        from rechunk_p2p.integrations.local_client import scheduler_problem
 
         meanwhile()
 
-        refused = connection_refused(address)
-        if refused is not None:  # nothing listens there: fail now, not after the timeout
-            raise ClusterError(f"cannot reach the scheduler at {address!r}: {refused}")
+        problem = scheduler_problem(address, args.connect_timeout)
+        if problem is not None:  # within the timeout, in one line
+            raise ClusterError(f"cannot reach the scheduler at {address!r}: {problem}")
         try:
             client = distributed.Client(address, timeout=args.connect_timeout)
         except (OSError, ValueError, TypeError) as e:

@@ -8,6 +8,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -221,3 +223,37 @@ def test_demo_command(tmp_path):
     assert "throughput" in result.stdout and "p99" in result.stdout
     assert re.match(r"watch it at http://[^ ]+:\d+/rechunk-p2p\n", result.stdout)  # bokeh is in
     assert not list(tmp_path.glob("rechunk-p2p-demo-*"))  # the demo cleans up after itself
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_a_scheduler_address_that_is_not_a_scheduler_is_one_line_within_the_timeout(
+    tmp_path, answer
+):
+    """A dashboard's port (it waits for a request) or a peer that answers garbage: one line
+    within --connect-timeout, no traceback, nothing written."""
+    make_climate_group(tmp_path / "src.zarr", 3)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        if answer is not None:
+            talker = threading.Thread(target=lambda: listening.accept()[0].sendall(answer))
+            talker.start()
+        start = time.monotonic()
+        result = run_cli(
+            *("src.zarr", "tgt.zarr", "--chunks", "time=-1"),
+            *("--scheduler", f"tcp://127.0.0.1:{port}", "--connect-timeout", "2s"),
+            cwd=tmp_path,
+            timeout=60,
+        )
+        took = time.monotonic() - start
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    expected = "sent nothing within 2 s" if answer is None else "answered b'HTTP/1.1'"
+    assert (
+        lines[0].startswith("rechunk-p2p: error: cannot reach the scheduler")
+        and expected in lines[0]
+    )
+    assert took < 30  # the command's start-up and the 2 s, not distributed's own waits
+    assert not (tmp_path / "tgt.zarr").exists()

@@ -26,9 +26,9 @@ def client_for(given: distributed.Client | str | None = None) -> Iterator[distri
         yield given
         return
     if isinstance(given, str):
-        refused = connection_refused(given)
-        if refused is not None:  # nothing listens there: no point in retrying for 10 s
-            raise ClusterError(f"Cannot reach the scheduler at {given}: {refused}")
+        problem = scheduler_problem(given, timeout=10.0)
+        if problem is not None:  # no point in retrying, or in reading garbage
+            raise ClusterError(f"Cannot reach the scheduler at {given}: {problem}")
         try:
             connected = distributed.Client(given, timeout="10s")
         except (OSError, TimeoutError) as e:
@@ -70,10 +70,23 @@ def workers_ignore_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def connection_refused(address: str) -> str | None:
-    """Why a TCP connection to the scheduler ``address`` was refused at once, or ``None``
-    (it was accepted, the address is not plain TCP, or the answer is slow to come: then
-    distributed's client tries, and times out, as it does)."""
+#: A dask server's first message, the handshake, is a few hundred bytes: the first 8 bytes
+#: it sends (a little-endian count of the bytes that follow) are far below this. An HTTP
+#: server's answer read so ("HTTP/1.1") is 3 EiB, which distributed tried to allocate.
+_HANDSHAKE_BYTES = 2**20
+
+
+def scheduler_problem(address: str, timeout: float) -> str | None:
+    """Why ``address`` is not a dask scheduler's, found before a client connects, or ``None``
+    (it sent what a dask server sends first, or the address is not plain TCP: then
+    distributed's client decides).
+
+    A dask server sends its handshake as soon as it accepts a connection. Nothing listening,
+    nothing sent within ``timeout`` seconds (a dashboard's HTTP port waits for a request), or
+    bytes that cannot start a dask message are each told in one line, within ``timeout``:
+    distributed's client would wait past its own timeout for the first, and fail with a
+    17-frame traceback on the last.
+    """
     from distributed.comm.addressing import parse_address, parse_host_port
 
     try:
@@ -81,12 +94,34 @@ def connection_refused(address: str) -> str | None:
         if scheme != "tcp":
             return None
         host, port = parse_host_port(location)
-        with socket.create_connection((host, port), timeout=1.0):
-            return None
+    except (ValueError, TypeError):
+        return None  # malformed: the client says so
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            first = _read_exactly(sock, 8)
     except ConnectionRefusedError as e:
         return f"connection refused ({e.strerror or e})"
-    except (OSError, ValueError, TypeError):
-        return None
+    except TimeoutError:
+        return (
+            f"it sent nothing within {timeout:g} s, as a dask scheduler does at once "
+            "(is it the scheduler's address, not its dashboard's?)"
+        )
+    except OSError as e:
+        return f"{e.strerror or e}"
+    if len(first) < 8 or int.from_bytes(first, "little") > _HANDSHAKE_BYTES:
+        return f"it answered {first[:8]!r}, not as a dask scheduler does"
+    return None
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes from ``sock`` (fewer if it closes first)."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def _require_main_guard() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import distributed
 import numpy as np
 import pytest
@@ -81,16 +84,39 @@ def test_client_given_by_address_and_unreachable_scheduler(tmp_path):
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "d.zarr")[:], src[:])
 
 
-def test_a_refused_connection_is_told_at_once_and_a_listener_is_left_to_the_client():
+def test_an_address_that_is_not_a_schedulers_is_told_within_the_timeout():
+    """Refused at once; a listener that sends nothing (a dashboard's HTTP port) within the
+    timeout; one that sends what no dask server sends, at once; a real scheduler passes."""
     import socket
+    import time
 
-    from rechunk_p2p.integrations.local_client import connection_refused
+    from distributed import Scheduler
+
+    from rechunk_p2p.integrations.local_client import scheduler_problem
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        port = listening.getsockname()[1]
-        assert connection_refused(f"tcp://127.0.0.1:{port}") is None
-    assert "connection refused" in connection_refused(f"tcp://127.0.0.1:{port}")
-    assert connection_refused("inproc://127.0.0.1/1/2") is None  # not TCP: the client decides
-    assert connection_refused("tcp://not a host:x") is None  # malformed: the client says so
+        address = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        start = time.monotonic()
+        assert "sent nothing within 0.5 s" in scheduler_problem(address, 0.5)
+        assert time.monotonic() - start < 5
+    assert "connection refused" in scheduler_problem(address, 5.0)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        talker = threading.Thread(
+            target=lambda: listening.accept()[0].sendall(b"HTTP/1.1 400 Bad Request\r\n")
+        )
+        talker.start()
+        assert "answered b'HTTP/1.1'" in scheduler_problem(address, 5.0)
+        talker.join()
+    assert scheduler_problem("inproc://127.0.0.1/1/2", 1.0) is None  # not TCP: the client decides
+    assert scheduler_problem("tcp://not a host:x", 1.0) is None  # malformed: the client says so
+
+    async def real() -> str | None:
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
+            return await asyncio.to_thread(scheduler_problem, s.address, 5.0)
+
+    assert asyncio.run(real()) is None
