@@ -74,3 +74,17 @@ def start_worker(
         *("--dashboard-address", ":0", "--local-directory", local_directory),
         env=env,
     )
+
+
+def start_nanny_worker(
+    scheduler_file: str, local_directory: str, env: dict[str, str], memory_limit: str
+) -> subprocess.Popen:
+    """``dask worker`` with its nanny (which restarts a killed worker process), one thread
+    and ``memory_limit``, in ``local_directory``."""
+    return start(
+        "dask_worker",
+        *("--scheduler-file", scheduler_file, "--nthreads", "1"),
+        *("--memory-limit", memory_limit, "--dashboard-address", ":0"),
+        *("--local-directory", local_directory),
+        env=env,
+    )
