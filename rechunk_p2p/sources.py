@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +37,12 @@ class InputSources:
     """**Immutable.** How an array's chunks are made, for transfer tasks to make them.
 
     ``layer`` maps each chunk key of the array to the task that makes it (dask's blockwise
-    fusion already applied; materialised on first use). ``shared`` are the graph layers of
-    the values those tasks read: each has a few keys and no dependencies of its own.
+    fusion already applied; materialised on first use; for a chain of chunk-wise steps on
+    top of such chunks, :class:`ChainedTasks`). ``shared`` are the graph layers of the
+    values those tasks read: each has a few keys and no dependencies of its own.
     """
 
-    layer: Layer
+    layer: Mapping[Any, Any]
     shared: Mapping[str, Layer]
 
     def task(self, key: Any) -> Task:
@@ -56,8 +57,9 @@ class InputSources:
 
 def find_sources(x: da.Array) -> InputSources | None:
     """The tasks that make ``x``'s chunks, when each is made from nothing or from a few shared
-    values; ``None`` when a chunk is held data, a future, made from other chunks, annotated,
-    or made by a task that must not be fused (such as another rechunk's output)."""
+    values, possibly through a chain of chunk-wise steps (see :func:`_through_steps`);
+    ``None`` when a chunk is held data, a future, made from other chunks, annotated, or made
+    by a task that must not be fused (such as another rechunk's output)."""
     graph = x.__dask_graph__()
     if not isinstance(graph, HighLevelGraph):
         return None
@@ -65,17 +67,93 @@ def find_sources(x: da.Array) -> InputSources | None:
         return None
     keys = list(flatten(x.__dask_keys__()))
     fused = optimize_blockwise(graph, keys=keys)
-    layer = fused.layers.get(x.name)
+    return _sources_in(fused, x.name, keys)
+
+
+def _sources_in(fused: HighLevelGraph, name: str, keys: list) -> InputSources | None:
+    """:func:`find_sources` for the chunks ``keys`` of layer ``name`` of ``fused`` (a graph
+    that dask's blockwise fusion went over)."""
+    layer = fused.layers.get(name)
     if layer is None:
         return None
-    shared = {name: fused.layers[name] for name in fused.dependencies.get(x.name, ())}
+    shared = {dep: fused.layers[dep] for dep in fused.dependencies.get(name, ())}
     if not _small_roots(fused, shared):
-        return None
+        return _through_steps(fused, layer, shared) if isinstance(layer, Blockwise) else None
     if isinstance(layer, Blockwise):
         return InputSources(layer, shared)
     if isinstance(layer, MaterializedLayer) and _made_by_tasks(layer, keys, shared):
         return InputSources(layer, shared)
     return None
+
+
+def _through_steps(
+    fused: HighLevelGraph, layer: Blockwise, deps: Mapping[str, Layer]
+) -> InputSources | None:
+    """Chunks made by a chunk-wise step (``astype``, arithmetic with scalars, ``where``,
+    ``map_blocks``, ...) from the chunks at the same index of arrays whose chunks are made
+    themselves (generated data that dask's blockwise fusion cannot take in, being no
+    blockwise layer of its own), and from a few shared values: each chunk's task with the
+    tasks that make the chunks it reads put in place of its references to them."""
+    if layer.concatenate or layer.new_axes:
+        return None
+    aligned = {
+        dep
+        for dep, index in layer.indices
+        if index is not None and dep in deps and tuple(index) == tuple(layer.output_indices)
+    }
+    if not aligned or any(
+        dep in aligned and tuple(index) != tuple(layer.output_indices)
+        for dep, index in layer.indices
+        if index is not None
+    ):
+        return None  # no chunk-wise input, or one read other than at the chunk's own index
+    inner = {}
+    for dep in aligned:
+        blocks = layer.numblocks[dep]
+        dep_keys = [(dep, *i) for i in itertools.product(*(range(n) for n in blocks))]
+        made = _sources_in(fused, dep, dep_keys)
+        if made is None:
+            return None
+        inner[dep] = made
+    shared = {dep: deps[dep] for dep in deps if dep not in aligned}
+    for made in inner.values():
+        shared.update(made.shared)
+    if not _small_roots(fused, shared):
+        return None
+    return InputSources(ChainedTasks(layer, inner), shared)
+
+
+class ChainedTasks(Mapping[Any, Any]):
+    """**Immutable.** The task of each chunk of a chunk-wise step, with the tasks that make
+    the chunks it reads in place of its references to them: one task makes the chunk, its
+    inputs and the step together, where it is cut.
+
+    Parameters
+    ----------
+    step
+        The step's layer (after dask's blockwise fusion).
+    inputs
+        How the chunks the step reads are made, by the name of their layer.
+    """
+
+    def __init__(self, step: Blockwise, inputs: Mapping[str, InputSources]) -> None:
+        self._step = step
+        self._inputs = dict(inputs)
+
+    def __getitem__(self, key: Any) -> Any:
+        node = self._step[key]
+        subs = {
+            dep: self._inputs[dep[0]].task(dep)
+            for dep in getattr(node, "dependencies", ())
+            if isinstance(dep, tuple) and dep[0] in self._inputs
+        }
+        return node.substitute(subs) if subs else node
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._step)
+
+    def __len__(self) -> int:
+        return len(self._step)
 
 
 def _small_roots(graph: HighLevelGraph, layers: Mapping[str, Layer]) -> bool:

@@ -57,6 +57,26 @@ async def test_maps_to_time_series_with_joined_steps(c, s, a, b, storage):
     await assert_clean(s, a, b)
 
 
+@gen_cluster(client=True, nthreads=TWO, config={"rechunk-p2p.transfer-group-bytes": "1536B"})
+async def test_steps_after_generated_maps_are_made_and_joined_in_the_transfers(c, s, a, b):
+    """Generated data is no blockwise layer, so dask's fusion leaves an ``astype`` or a scale
+    and offset on top of it apart: the transfers make the chunks, apply the steps and join
+    them all the same (one transfer per chunk before, and the chunks moved between workers
+    first)."""
+    await rechunk_p2p.register(c)
+    x = da.random.default_rng(3).random((256, 8, 12), chunks=(1, 8, 12))
+    expected = x.compute(scheduler="sync")
+    for y, want in [
+        (x.astype("f4"), expected.astype("f4")),
+        (x.astype("f4") * 0.01 + 273.15, expected.astype("f4") * 0.01 + 273.15),
+    ]:
+        plan = rechunk_p2p.plan(y, (256, 4, 4), n_workers=2)
+        assert plan.groups is not None and plan.n_transfers == 64 < 256
+        out = await check_rechunk(c, s, y, want, (256, 4, 4))
+        assert len(_transfer_keys(dict(out.__dask_graph__()))) == 64
+    await assert_clean(s, a, b)
+
+
 @gen_cluster(client=True, nthreads=TWO)
 async def test_the_input_computed_beside_its_joined_rechunk(c, s, a, b):
     await rechunk_p2p.register(c)

@@ -20,6 +20,10 @@ def _generated() -> da.Array:
     )
 
 
+def _random(seed: int = 0) -> da.Array:
+    return da.random.default_rng(seed).random((20, 10), chunks=(2, 10))
+
+
 def _zarr_array(tmp_path) -> zarr.Array:
     z = zarr.open_array(tmp_path / "a.zarr", mode="w", shape=(20, 10), chunks=(2, 10), dtype="f4")
     z[:] = np.arange(200, dtype="f4").reshape(20, 10)
@@ -40,6 +44,18 @@ def _zarr_array(tmp_path) -> zarr.Array:
             lambda tmp: (da.from_zarr(_zarr_array(tmp)) * 2 + 1).astype("f8"),
             id="from_zarr-then-elementwise",
         ),
+        # generated data is no blockwise layer, so dask's fusion leaves steps on top apart
+        pytest.param(lambda tmp: _random().astype("f4"), id="random-then-astype"),
+        pytest.param(lambda tmp: _random() * 0.01 + 273.15, id="random-then-scale-offset"),
+        pytest.param(
+            lambda tmp: da.where(_random() > 0.5, _random(), 0).clip(0.1, 0.9),
+            id="random-then-where-and-clip",
+        ),
+        pytest.param(
+            lambda tmp: _generated().map_blocks(np.negative).astype("f8"),
+            id="map_blocks-then-map_blocks",
+        ),
+        pytest.param(lambda tmp: _random() + _random(1), id="two-generated-inputs"),
     ],
 )
 def test_chunks_made_from_nothing_or_a_store_are_found(make, tmp_path):
@@ -72,6 +88,12 @@ def test_chunks_made_from_nothing_or_a_store_are_found(make, tmp_path):
         pytest.param(
             lambda: rechunk_p2p.rechunk(da.ones((20, 10), chunks=(2, 10)), (20, 1)),
             id="another-rechunk",
+        ),
+        pytest.param(lambda: _random() - _random().mean(axis=0), id="anomalies-of-generated"),
+        pytest.param(lambda: _random()[::-1] * 2, id="a-step-on-a-reversed-slice"),
+        pytest.param(
+            lambda: da.ones((20, 10), chunks=(2, 10)).persist(scheduler="sync").astype("f4"),
+            id="a-step-on-a-persisted-array",
         ),
     ],
 )
