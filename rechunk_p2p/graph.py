@@ -33,6 +33,7 @@ import dask.array as da
 import numpy as np
 from dask._task_spec import GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, Layer
+from dask.utils import key_split
 
 from rechunk_p2p import scheduler_tuning, tasks
 from rechunk_p2p.errors import RechunkInputError
@@ -264,6 +265,7 @@ class RechunkLayer(Layer):
             keep=keep,
             unknown_axes=self.unknown_axes,
             send_buffer_bytes=self.plan.send_buffer_bytes,
+            label=key_split(self.input_name),
         )
         groups = self._held_groups(spec)
         if groups is not None:

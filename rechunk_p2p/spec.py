@@ -131,6 +131,10 @@ class ShuffleSpec:
         The inputs each transfer task cuts, in the order of the barrier's dependencies, where
         one task cuts several held chunks (:mod:`rechunk_p2p.holders`; its key is
         ``(name, group index)``); ``None``: one transfer an input (key ``(name, *index)``).
+    label
+        What the user calls the input: dask's name of the input array without its token
+        (``open_dataset-t2m`` for an xarray variable ``t2m``), for the dashboard and
+        messages.
     """
 
     shuffle_id: ShuffleId
@@ -142,6 +146,7 @@ class ShuffleSpec:
     unknown_axes: tuple[int, ...] = ()
     send_buffer_bytes: int | None = None
     transfer_groups: tuple[tuple[int, ...], ...] | None = None
+    label: str = ""
 
     def output_key(self, flat: int) -> tuple:
         """The key of the unpack task of output ``flat``."""

@@ -80,12 +80,14 @@ class Stall:
     seconds: float  # how long the first of them has waited
     held_by: tuple[HeldBy, ...]
     keys: tuple[Any, ...]  # the waiting output tasks
+    label: str = ""  # the input's name (ShuffleSpec.label)
 
     def describe(self) -> str:
         """One line: the rechunk, how long, and which workers hold it up and why."""
+        of = f"{self.label}, " if self.label else ""
         return (
-            f"Rechunk {self.shuffle_id} (run {self.run_id}) has waited {self.seconds:.0f} s: "
-            + "; ".join(h.describe() for h in self.held_by)
+            f"Rechunk {self.shuffle_id} ({of}run {self.run_id}) has waited "
+            f"{self.seconds:.0f} s: " + "; ".join(h.describe() for h in self.held_by)
         )
 
 
@@ -106,7 +108,8 @@ def find_stalls(scheduler: Any, runs: dict[str, Any], now: float) -> list[Stall]
         if held:
             since = min(unrunnable[ts] for ts in waiting)
             keys = tuple(ts.key for ts in waiting)
-            stalls.append(Stall(shuffle_id, run.run_spec.run_id, now - since, held, keys))
+            spec = run.run_spec
+            stalls.append(Stall(shuffle_id, spec.run_id, now - since, held, keys, spec.spec.label))
     return stalls
 
 

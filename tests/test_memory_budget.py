@@ -294,8 +294,9 @@ def test_a_stall_is_described_in_one_line():
         12.4,
         (HeldBy("tcp://w:1", "paused", 24, int(2.63 * 2**30), 3 * 2**30),),
         (),
+        "open_dataset-t2m",
     )
     assert stall.describe() == (
-        "Rechunk abc-0.0 (run 7) has waited 12 s: 24 output tasks wait for worker tcp://w:1, "
-        "which is paused (process memory 2.63 GiB of its 3.00 GiB limit)"
+        "Rechunk abc-0.0 (open_dataset-t2m, run 7) has waited 12 s: 24 output tasks wait "
+        "for worker tcp://w:1, which is paused (process memory 2.63 GiB of its 3.00 GiB limit)"
     )

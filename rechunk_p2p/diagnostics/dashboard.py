@@ -27,6 +27,10 @@ ROUTE = "/rechunk-p2p"
 REFRESH_MS = 500
 #: The worker loop lag the page marks (the engine's bound on a worker's loop)
 LAG_MARK_MS = 100
+#: The lag plot's fixed axis: the mark stays in view whatever the lags (an axis fitted to
+#: lags of a few ms left it off the plot), and so do stalls of several hundred ms; a longer
+#: one fills the plot's width, its figure in the hover
+LAG_AXIS_MS = 5 * LAG_MARK_MS
 
 _RUN_COLUMNS = (
     ("label", "run"),
@@ -92,6 +96,7 @@ class RechunkPage:
             Div,
             FactorRange,
             NumeralTickFormatter,
+            Range1d,
             Span,
         )
         from bokeh.plotting import figure
@@ -162,6 +167,7 @@ class RechunkPage:
             "rechunk-p2p-worker-lag",
             [("p99", "@lag_p99_ms{0.0} ms"), ("max", "@lag_max_ms{0.0} ms")],
             y_range=self.bytes.y_range,
+            x_range=Range1d(0, LAG_AXIS_MS, bounds=(0, None)),
         )
         self.lag.hbar(
             y="address",

@@ -39,6 +39,10 @@ class FinishedRun:
     finished: float
     transfers: int
     outputs: int
+    name: str = ""  # the input's name (ShuffleSpec.label)
+    workers: int = 0  # the run's workers as it closed
+    bytes_sent: int = 0  # from its workers' last heartbeats
+    bytes_received: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,15 @@ class RunRow:
     bytes_disk: int
     workers: int
     seconds: float
+    name: str = ""  # the input's name (ShuffleSpec.label): the array or variable
 
     @property
     def label(self) -> str:
-        """Short name: the rechunk's token abridged, its partial, the run."""
+        """Short name: the input's name, the rechunk's token abridged, its partial, the run
+        (the name tells the user's arrays apart, the rest the runs)."""
         token, _, partial = self.shuffle_id.partition("-")
-        return f"{token[:8]}{'-' if partial else ''}{partial}/{self.run_id}"
+        ident = f"{token[:8]}{'-' if partial else ''}{partial}/{self.run_id}"
+        return f"{self.name} {ident}" if self.name else ident
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,8 @@ def finished_run(scheduler: Any, run: Any, reason: str) -> FinishedRun:
     """What to remember of ``run`` (a :class:`~rechunk_p2p.recovery.SchedulerRun`) as it
     closes."""
     transfers, _, outputs, _ = _progress(scheduler, run.shuffle_id)
+    beats = {addr: ws.metrics.get(METRIC) or {} for addr, ws in scheduler.workers.items()}
+    totals = _bytes_per_run(beats).get((run.shuffle_id, run.run_spec.run_id), {})
     return FinishedRun(
         run.shuffle_id,
         run.run_spec.run_id,
@@ -109,6 +118,10 @@ def finished_run(scheduler: Any, run: Any, reason: str) -> FinishedRun:
         time.time(),
         transfers,
         outputs,
+        run.run_spec.spec.label,
+        len(run.workers),
+        totals.get("bytes_sent", 0),
+        totals.get("bytes_received", 0),
     )
 
 
@@ -170,12 +183,15 @@ def _open_row(scheduler: Any, run: Any, per_run: dict, now: float) -> RunRow:
         totals["bytes_spilled"],
         max(totals["workers"], len(run.workers)),
         now - run.started,
+        run.run_spec.spec.label,
     )
 
 
 def _finished_row(f: FinishedRun, per_run: dict) -> RunRow:
+    """A closed run: done, or cut short and why (a worker left, its barrier failed), with
+    the workers and bytes it had as it closed where the heartbeats no longer tell them."""
     totals = per_run.get((f.shuffle_id, f.run_id)) or dict.fromkeys(_BYTES, 0)
-    phase = "done" if f.reason == "barrier released" else f.reason
+    phase = "done" if f.reason == "barrier released" else f"cut short: {f.reason}"
     return RunRow(
         f.shuffle_id,
         f.run_id,
@@ -184,12 +200,13 @@ def _finished_row(f: FinishedRun, per_run: dict) -> RunRow:
         f.transfers,
         f.outputs,
         f.outputs,
-        totals["bytes_sent"],
-        totals["bytes_received"],
+        max(totals["bytes_sent"], f.bytes_sent),
+        max(totals["bytes_received"], f.bytes_received),
         0,  # a closed run holds nothing
         0,
-        totals["workers"],
+        max(totals["workers"], f.workers),
         f.finished - f.started,
+        f.name,
     )
 
 

@@ -98,6 +98,7 @@ async def test_an_open_run_shows_its_phase_progress_and_workers(c, s, a, b):
         view = live_view(s, plugin)
         (run,) = view.runs
         assert run.phase == "transfers"
+        assert run.label.startswith("wait_for_gate ")  # the input's name (map_blocks')
         assert run.transfers == 64 and 0 < run.transfers_done < 64
         assert run.outputs == 64 and run.outputs_done == 0
         assert {w.address for w in view.workers} == {a.address, b.address}
@@ -108,6 +109,8 @@ async def test_an_open_run_shows_its_phase_progress_and_workers(c, s, a, b):
         page.update()
         assert page.runs.data["phase"] == ["transfers"]
         assert page.progress.y_range.factors == [run.label]
+        # a fixed lag axis, the mark in view whatever the lags
+        assert (page.lag.x_range.start, page.lag.x_range.end) == (0, 500)
         assert sorted(page.workers.data["address"]) == sorted([a.address, b.address])
         assert page.summary.text.startswith("<b>1 run(s) open</b>")
     finally:
@@ -191,3 +194,20 @@ async def test_performance_report_saves_the_runs_of_its_block(c, s, a, b):
     assert "16 / 16" in text  # the run's outputs, all assembled
     with pytest.raises(ValueError, match="mode must be"):
         rechunk_p2p.performance_report("x.html", mode="svg")
+
+
+def test_a_run_cut_short_shows_why_with_the_workers_and_bytes_it_had():
+    """A run closed because a worker left keeps, on the page, the workers and bytes its
+    workers' heartbeats told before it closed (they stop telling them once it is closed)."""
+    from rechunk_p2p.diagnostics.live_view import FinishedRun, _finished_row
+
+    closed = FinishedRun(
+        "abcdef0123-3", 2, "worker tcp://w:1 left", 10.0, 14.5, 48, 48,
+        "open_dataset-t2m", 2, 5_000_000, 4_000_000,
+    )  # fmt: skip
+    row = _finished_row(closed, {})
+    assert row.phase == "cut short: worker tcp://w:1 left"
+    assert (row.workers, row.bytes_sent, row.bytes_received) == (2, 5_000_000, 4_000_000)
+    assert row.label == "open_dataset-t2m abcdef01-3/2" and row.seconds == 4.5
+    done = _finished_row(FinishedRun("abcdef0123-3", 2, "barrier released", 0, 1, 4, 4), {})
+    assert done.phase == "done" and done.label == "abcdef01-3/2"
