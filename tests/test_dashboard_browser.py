@@ -104,7 +104,9 @@ def test_the_page_shows_a_rechunk_while_it_runs(tmp_path):
             browser.open(url)
             _wait_for(browser, lambda s: s.get("runs") is not None, 60, "its document")
             x = da.random.RandomState(1).random((512, 16384), chunks=(2, 16384))  # 64 MiB
-            y = rechunk_p2p.rechunk(x.map_blocks(_slow_block, dtype=x.dtype), (512, 128))
+            slow = x.map_blocks(_slow_block, dtype=x.dtype)  # (made inside the transfers)
+            transfers = rechunk_p2p.plan(slow, (512, 128), n_workers=2).n_transfers
+            y = rechunk_p2p.rechunk(slow, (512, 128))
             with measure_event_loops(client) as probe:
                 future = client.compute(y.sum())
                 during = _wait_for(browser, _open_rows, 60, "an open run")
@@ -118,7 +120,8 @@ def test_the_page_shows_a_rechunk_while_it_runs(tmp_path):
             after = _wait_for(browser, lambda s: _phase_of(s, label) == "done", 30, "it done")
     assert label in during["cells"] and phase in during["cells"]  # the table shows the run
     done_row = after["cells"].index(label)
-    assert after["cells"][done_row + 1 : done_row + 4] == ["done", "256 / 256", "128 / 128"]
+    progress = ["done", f"{transfers} / {transfers}", "128 / 128"]
+    assert after["cells"][done_row + 1 : done_row + 4] == progress
     assert after["runs"]["outputs_text"][after["runs"]["label"].index(label)] == "128 / 128"
     assert during["canvases"] >= 3  # the progress, bytes and lag plots were painted
     assert sorted(pieces["workers"]["address"]) == workers

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from unittest import mock
 
-import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -21,7 +20,12 @@ from rechunk_p2p.worker.memory_shares import MemoryShares, RunMemory
 from rechunk_p2p.worker.storage_choice import resolve_storage
 from tests.conftest import assert_clean
 from tests.engine_helpers import PLUGIN, THREE, TWO, check_result
-from tests.test_worker_leaves import _run_once_active, _slow
+from tests.test_worker_leaves import (
+    _rechunk,
+    _run_once_active,
+    _slow,
+    retire_an_owner_once_it_transferred,
+)
 from tests.worker_fakes import make_run_spec
 
 A, B = "tcp://a:1", "tcp://b:1"
@@ -198,15 +202,9 @@ async def test_outputs_moved_by_a_continuation_spill_past_the_budget(c, s, *work
     has left and spills, and the result is right."""
     await rechunk_p2p.register(c)
     peaks = _max_reserved(workers)
-    arr = np.arange(60 * 60, dtype="f8").reshape(60, 60)
-    x = da.from_array(arr, chunks=(1, 60)).map_blocks(_slow)
-    with dask.config.set({"rechunk-p2p.storage": "auto"}):
-        future = c.compute(rechunk_p2p.rechunk(x, (60, 10)))
-    run = await _run_once_active(s)
-    owner = sorted(run.owners)[0]
-    while not any(w.address == owner and w.state.executed_count for w in workers):
-        await asyncio.sleep(0.005)
-    await c.retire_workers([owner], close_workers=True)
+    y, arr = _rechunk(n_outputs=6)  # (storage: auto, the default)
+    future = c.compute(y)
+    owner = await retire_an_owner_once_it_transferred(c, s, workers)
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
     assert (plugin.continuations, plugin.restarts, plugin.outputs_moved) == (1, 0, 2)

@@ -73,16 +73,22 @@ async def test_a_bystander_leaving_does_not_restart_the_rechunk(c, s, *workers, 
     await assert_clean(s, *(w for w in workers if w is not worker))
 
 
-@gen_cluster(client=True, nthreads=THREE)
-async def test_a_retiring_owner_continues_the_rechunk_and_loses_nothing(c, s, *workers):
-    await rechunk_p2p.register(c)
-    y, arr = _rechunk(n_outputs=6)
-    future = c.compute(y)
+async def retire_an_owner_once_it_transferred(c, s, workers) -> str:
+    """Retire the first owner of the active run once it ran a transfer; its address."""
     run = await _run_once_active(s)
     owner = sorted(run.owners)[0]
     while not any(w.address == owner and w.state.executed_count for w in workers):
         await asyncio.sleep(0.005)
     await c.retire_workers([owner], close_workers=True)
+    return owner
+
+
+@gen_cluster(client=True, nthreads=THREE)
+async def test_a_retiring_owner_continues_the_rechunk_and_loses_nothing(c, s, *workers):
+    await rechunk_p2p.register(c)
+    y, arr = _rechunk(n_outputs=6)
+    future = c.compute(y)
+    owner = await retire_an_owner_once_it_transferred(c, s, workers)
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
     assert (plugin.runs_created, plugin.continuations, plugin.restarts) == (1, 1, 0)
