@@ -255,3 +255,15 @@ def test_many_workers_reports_a_failed_implementation() -> None:
     runs = many_workers.format_runs(points)
     assert "64 dask-p2p     failed" in runs and "64 rechunk_p2p  3.00 / 6.00 / 3.00" in runs
     assert "nan" in many_workers.format_points(points)  # (no figures for the failed one)
+
+
+def test_steps_before_the_rechunk_command_small(capsys: pytest.CaptureFixture[str]) -> None:
+    """``integration.bench_steps``: every step, both implementations, a wall each, ratios."""
+    from integration import bench_steps
+
+    bench_steps.main(["--hours", "256", "--repeat", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| step | rechunk_p2p | dask p2p | vs dask p2p |"
+    rows = lines[2:]
+    assert [r.split(" | ")[0] for r in rows] == [f"| `{s}`" for s in bench_steps.STEPS]
+    assert all(r.count(" s (") == 2 and r.rstrip(" |").endswith("x") for r in rows), rows
