@@ -35,6 +35,11 @@ class RechunkCommError(RechunkRunError):
     """Pieces could not be delivered to another worker in time (unreachable or silent peer)."""
 
 
+class RechunkStalledError(RechunkRunError):
+    """A rechunk's outputs waited too long for a worker that runs no tasks (paused by memory,
+    or retiring): the message names the worker, its status and its memory."""
+
+
 class StaleRunError(RechunkRunError):
     """A message or task belongs to a run that has since been restarted or closed."""
 

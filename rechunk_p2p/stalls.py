@@ -29,7 +29,7 @@ from typing import Any
 from dask.utils import format_bytes
 from distributed.protocol.pickle import dumps
 
-from rechunk_p2p.errors import RechunkRunError
+from rechunk_p2p.errors import RechunkStalledError
 from rechunk_p2p.spec import TRANSFER_PREFIX
 
 logger = logging.getLogger("rechunk_p2p.scheduler")
@@ -46,11 +46,6 @@ GIVE_UP_SECONDS = 120.0
 #: Transfers given to a worker that has run no tasks this long go to a running worker (the
 #: same wait as the log's: a transfer moved cuts its input again, on another worker).
 MOVE_SECONDS = LOG_SECONDS
-
-
-class RechunkStalledError(RechunkRunError):
-    """A rechunk's outputs waited too long for a worker that runs no tasks (paused by memory,
-    or retiring)."""
 
 
 @dataclass(frozen=True)

@@ -250,11 +250,10 @@ async def test_outputs_pinned_to_a_paused_worker_fail_with_its_name_and_memory(c
     pinned to it. Its transfers go to the running worker; its outputs wait, named in the
     scheduler's log, and then fail with one line naming the worker, its status and its
     memory; nothing stays behind once the worker resumes."""
-    from rechunk_p2p import stalls
 
     with _patched_watch():
         future, run, _ = await _paused_mid_transfer(c, s, b)
-        with pytest.raises(stalls.RechunkStalledError) as info:
+        with pytest.raises(rechunk_p2p.RechunkStalledError) as info:
             await asyncio.wait_for(future, 60)
     message = str(info.value)
     assert "\n" not in message
