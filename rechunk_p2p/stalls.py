@@ -36,9 +36,10 @@ logger = logging.getLogger("rechunk_p2p.scheduler")
 
 #: How often the watch looks (a look with no task in ``no-worker`` costs nothing)
 CHECK_SECONDS = 1.0
-#: A run's outputs waiting this long for a worker that runs no tasks are logged. A worker
-#: paused by memory that a spill or a finished task frees resumes within a few seconds of
-#: its next memory check (every 100 ms); longer means nothing frees it.
+#: A run's outputs waiting this long for a worker that runs no tasks are logged. Chosen, not
+#: measured: distributed looks at a worker's memory every 100 ms and resumes it as soon as a
+#: spill or a finished task brings it under the threshold; no worker paused at all in the
+#: deployment test's 24 runs (tests/test_deployment.py), so no pause length was measured.
 LOG_SECONDS = 10.0
 #: ... and failed after this long, naming the worker and why it runs no tasks. Generous:
 #: a pause that ends by itself ends long before, and failing costs the user a rerun.

@@ -59,7 +59,7 @@ def test_a_worker_outside_the_run_reserves_nothing():
 
 def test_runs_share_one_budget_and_give_it_back():
     shares = MemoryShares()
-    first, second = (RunMemory(shares, 1000, A, _no_spill) for _ in range(2))
+    first, second = (RunMemory(shares, 1000, _no_spill) for _ in range(2))
     first.reserve(600)
     assert shares.available(1000) == 400
     second.reserve(700)  # (a continuation's outputs are asked for before they reserve)
@@ -95,7 +95,7 @@ def test_moved_outputs_past_the_budget_spill_and_the_others_stay(tmp_path, split
         return spilled[-1]
 
     shares = MemoryShares()
-    run = RunMemory(shares, 3 * OUTPUT, A, spill)
+    run = RunMemory(shares, 3 * OUTPUT, spill)
     run.reserve(2 * OUTPUT)
     store = memory
     if split_first:  # a run that spilled from its start: the split store gains the outputs
@@ -117,7 +117,7 @@ def test_moved_outputs_within_the_budget_stay_in_the_store():
     before = make_run_spec((A, B), storage="auto")
     after = before.continued_without(B, RunId(2), frozenset())
     store = AssemblingMemoryStore(np.dtype("f8"), "s", before.spec.partial)
-    run = RunMemory(MemoryShares(), None, A, _no_spill)  # no memory limit
+    run = RunMemory(MemoryShares(), None, _no_spill)  # no memory limit
     assert run.take_moved(store, after, [2, 3]) is store
     store.close_blocking()
 

@@ -108,8 +108,7 @@ def finished_run(scheduler: Any, run: Any, reason: str) -> FinishedRun:
     """What to remember of ``run`` (a :class:`~rechunk_p2p.recovery.SchedulerRun`) as it
     closes."""
     transfers, _, outputs, _ = _progress(scheduler, run.shuffle_id)
-    beats = {addr: ws.metrics.get(METRIC) or {} for addr, ws in scheduler.workers.items()}
-    totals = _bytes_per_run(beats).get((run.shuffle_id, run.run_spec.run_id), {})
+    totals = _bytes_per_run(_beats(scheduler)).get((run.shuffle_id, run.run_spec.run_id), {})
     return FinishedRun(
         run.shuffle_id,
         run.run_spec.run_id,
@@ -131,13 +130,18 @@ def live_view(scheduler: Any, plugin: Any, since: float | None = None) -> LiveVi
     :data:`FINISHED_SECONDS`)."""
     now = time.time()
     since = now - FINISHED_SECONDS if since is None else since
-    beats = {addr: ws.metrics.get(METRIC) or {} for addr, ws in scheduler.workers.items()}
+    beats = _beats(scheduler)
     per_run = _bytes_per_run(beats)
     rows = [_open_row(scheduler, run, per_run, now) for run in plugin.active.values()]
     rows.sort(key=lambda r: -r.seconds)
     done = [_finished_row(f, per_run) for f in reversed(plugin.finished) if f.finished >= since]
     workers = tuple(_worker_row(addr, beat, now) for addr, beat in sorted(beats.items()))
     return LiveView(tuple(rows + done), workers)
+
+
+def _beats(scheduler: Any) -> dict[str, dict]:
+    """The engine's part of each worker's last heartbeat, by address."""
+    return {addr: ws.metrics.get(METRIC) or {} for addr, ws in scheduler.workers.items()}
 
 
 def _progress(scheduler: Any, shuffle_id: str) -> tuple[int, int, int, int]:

@@ -76,8 +76,6 @@ class RunMemory:
         What the worker's runs keep in memory.
     budget
         The worker's budget (``None``: no memory limit).
-    address
-        This worker.
     spill
         Makes the disk store that outputs past the budget go to (called at most once, when
         a continuation first spills).
@@ -87,12 +85,10 @@ class RunMemory:
         self,
         shares: MemoryShares,
         budget: float | None,
-        address: str,
         spill: Callable[[], DiskPieceStore],
     ) -> None:
         self._shares = shares
         self._budget = budget
-        self._address = address
         self._spill = spill
 
     def reserve(self, nbytes: int) -> None:

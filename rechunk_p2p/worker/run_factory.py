@@ -70,7 +70,7 @@ def make_run(
             spec.dtype, directory, name, settings.disk_write_buffer_bytes, io, store_io
         )
 
-    memory = RunMemory(shares, budget, address, spill)
+    memory = RunMemory(shares, budget, spill)
     memory.reserve(choice.reserved)
 
     def on_close() -> Callable[[], None] | None:
