@@ -429,24 +429,51 @@ class AssemblingMemoryStore:
                 self._lock.wait()
             if self._closed:
                 raise closed_error(self.kind, self.name, f"read output {output}")
-            sid = int(self._slab_of[output])
             expected = self._partial.output_placement(output)
-            if sid < 0:
+            if self._slab_of[output] < 0:
                 return None, sorted(expected)
-            slab = self._slabs[sid]
-            array = slab[int(self._slot_of[output])]
             placed = int(self._placed[output])
-            self._slab_of[output] = -1
-            self._held -= array.nbytes
             self._ledger.read(int(self._piece_bytes[output]))
-            self._left[sid] -= 1
-            self._placed[output] = self._piece_bytes[output] = 0
-            if not self._left[sid]:  # the outputs handed over keep the slab alive
-                del self._slabs[sid], self._left[sid]
+            array = self._let_go_locked(output)
             complete = placed == len(expected)
             missing = [] if complete else self._missing_locked(output, expected)
             self._taken[output] = True
         return array, missing
+
+    def _let_go_locked(self, output: int) -> np.ndarray:
+        """Output ``output``'s array, which the store no longer holds (its slab goes with
+        the last of its outputs; the arrays handed out keep it alive)."""
+        sid = int(self._slab_of[output])
+        array = self._slabs[sid][int(self._slot_of[output])]
+        self._slab_of[output] = -1
+        self._held -= array.nbytes
+        self._left[sid] -= 1
+        self._placed[output] = self._piece_bytes[output] = 0
+        if not self._left[sid]:
+            del self._slabs[sid], self._left[sid]
+        return array
+
+    def evict_blocking(self, outputs: Iterable[int]) -> list[Piece]:
+        """Give up ``outputs`` and return the pieces placed in them so far, as views of
+        their arrays, for another store to keep (the worker is short of memory): the store
+        holds them as if none of their pieces had come. Waits for copies into them still in
+        progress; the caller sees to it that no more start."""
+        pieces: list[Piece] = []
+        with self._lock:
+            for output in outputs:
+                while self._writing[output] and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    raise closed_error(self.kind, self.name, f"move output {output}")
+                if self._slab_of[output] < 0:
+                    continue
+                placement = self._partial.output_placement(output)
+                held = [i for i in placement if self._ledger.holds(output, i)]
+                self._ledger.moved(len(held), int(self._piece_bytes[output]))
+                array = self._let_go_locked(output)
+                pieces.extend((output, i, array[placement[i]]) for i in held)
+                self._ledger.forget_outputs([output])
+        return pieces
 
     def _missing_locked(self, output: int, expected: Iterable[int]) -> list[int]:
         if self._taken[output]:  # made again after it was handed over

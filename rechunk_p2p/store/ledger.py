@@ -296,6 +296,12 @@ class PieceLedger:
         self.bytes_read += nbytes
         self.bytes_buffered -= nbytes
 
+    def moved(self, pieces: int, nbytes: int) -> None:
+        """``pieces`` of ``nbytes`` went to another store: counted as never accepted here."""
+        self.pieces -= pieces
+        self.bytes_written -= nbytes
+        self.bytes_buffered -= nbytes
+
     def clear(self) -> None:
         """The store closed: nothing is held any more (the counters of the past stay)."""
         self._held.clear()

@@ -20,10 +20,16 @@ from rechunk_p2p.store.base import Piece, StoreStatistics, check_piece
 from rechunk_p2p.store.disk import DiskPieceStore
 from rechunk_p2p.transport.wire import Packed, split_packed_blocking
 
+#: Pieces moved from memory to disk are written in batches of about this many bytes
+#: (:meth:`SplitStore.spill_blocking`): the views of a batch keep their outputs' memory
+#: until the disk store has written them
+SPILL_BATCH_BYTES = 16 * 2**20
+
 
 class SplitStore:
     """**Thread-safe** (each part guards itself; the split changes only for outputs that
-    have no piece yet, :meth:`place`). Outputs ``in_memory`` are assembled in memory, every
+    have no piece yet, :meth:`place`, or while the caller keeps every other user out,
+    :meth:`spill_blocking`). Outputs ``in_memory`` are assembled in memory, every
     other output's pieces are spilled.
 
     Parameters
@@ -62,6 +68,24 @@ class SplitStore:
         """Assemble ``outputs``, which have no piece here yet (a continuation moved them to
         this worker), in memory or from disk. Called before their pieces can come."""
         self._in_memory[np.asarray(outputs, dtype=np.int64)] = in_memory
+
+    def spill_blocking(self) -> int:
+        """Move every output assembled in memory to disk, with the pieces placed in it so
+        far (the worker is short of memory), in batches of about :data:`SPILL_BATCH_BYTES`;
+        from now on every piece is spilled. The caller keeps writers and readers of the
+        store out meanwhile (:class:`~rechunk_p2p.worker.store_gate.StoreGate`). Returns
+        the bytes moved."""
+        outputs = np.flatnonzero(self._in_memory).tolist()
+        self._in_memory[:] = False
+        moved, batch, nbytes = 0, [], 0
+        for output in outputs:
+            pieces = self.memory.evict_blocking([output])
+            batch.extend(pieces)
+            nbytes += sum(p[2].nbytes for p in pieces)
+            if nbytes >= SPILL_BATCH_BYTES:
+                moved += self.disk.write_blocking(batch)
+                batch, nbytes = [], 0
+        return moved + (self.disk.write_blocking(batch) if batch else 0)
 
     def _mask(self, outputs: Iterable[int]) -> np.ndarray:
         flats = np.fromiter(outputs, dtype=np.int64)

@@ -38,6 +38,8 @@ class MemoryShares:
 
     def __init__(self) -> None:
         self._reserved: dict[RunMemory, int] = {}
+        # distributed paused the worker (short of memory): no run keeps more in memory
+        self.pressed = False
 
     def __repr__(self) -> str:
         return f"<MemoryShares reserved={self.reserved} runs={len(self)}>"
@@ -51,7 +53,10 @@ class MemoryShares:
         return sum(self._reserved.values())
 
     def available(self, budget: float | None) -> float | None:
-        """Bytes a budget of ``budget`` still has room for (``None``: no bound)."""
+        """Bytes a budget of ``budget`` still has room for (``None``: no bound; none while
+        the worker is paused, :attr:`pressed`)."""
+        if self.pressed:
+            return 0.0
         if budget is None:
             return None
         return max(budget - self.reserved, 0.0)
@@ -66,9 +71,9 @@ class MemoryShares:
 
 
 class RunMemory:
-    """**Loop-confined** (the worker's loop). One run's share of its worker's
-    :class:`MemoryShares`: reserved when the run opens, asked again for the outputs a
-    continuation moves here, given back when the run closes.
+    """**Loop-confined** (the worker's loop), but for :meth:`spillable`. One run's share
+    of its worker's :class:`MemoryShares`: reserved when the run opens, asked again for the
+    outputs a continuation moves here, given back when the run closes (or spills).
 
     Parameters
     ----------
@@ -78,7 +83,7 @@ class RunMemory:
         The worker's budget (``None``: no memory limit).
     spill
         Makes the disk store that outputs past the budget go to (called at most once, when
-        a continuation first spills).
+        a continuation first spills or the worker is paused).
     """
 
     def __init__(
@@ -114,12 +119,21 @@ class RunMemory:
         if fits.all() or isinstance(store, MemoryPieceStore):
             # (a store of outputs of unknown sizes, or of objects, cannot split: it holds them)
             return store
-        if isinstance(store, AssemblingMemoryStore):
-            in_memory = np.ones(run_spec.spec.partial.n_outputs, dtype=bool)
-            store = SplitStore(store, self._spill(), in_memory)
+        store = self.spillable(store, run_spec)
+        assert isinstance(store, SplitStore)
         store.place(flats[~fits], in_memory=False)
         store.place(kept, in_memory=True)
         return store
+
+    def spillable(self, store: AnyStore, run_spec: RunSpec) -> AnyStore:
+        """``store`` as a store whose outputs can go to disk, output by output: an
+        assembling memory store becomes a split store with every output in memory, any
+        other store stays as it is. Touches no reservation (callable from any thread, under
+        the run's lock)."""
+        if not isinstance(store, AssemblingMemoryStore):
+            return store
+        in_memory = np.ones(run_spec.spec.partial.n_outputs, dtype=bool)
+        return SplitStore(store, self._spill(), in_memory)
 
 
 def output_bytes(run_spec: RunSpec, flats: np.ndarray) -> np.ndarray:

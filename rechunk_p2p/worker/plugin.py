@@ -44,6 +44,7 @@ from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.idle import IdleWatch
 from rechunk_p2p.worker.imports import import_task_modules_blocking
 from rechunk_p2p.worker.memory_shares import MemoryShares
+from rechunk_p2p.worker.pressure import PressureWatch
 from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
@@ -101,7 +102,8 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     - ``runs``, ``_closed_totals``, ``_closed_run_ids``: **thread-safe (guarded by `_lock`)**;
     - ``_fetching``, ``_background``, ``idle`` (:class:`IdleWatch`), ``shares`` (the memory
-      budget its runs share, :class:`MemoryShares`): **loop-confined** (the worker's loop);
+      budget its runs share, :class:`MemoryShares`), ``pressure`` (:class:`PressureWatch`):
+      **loop-confined** (the worker's loop);
     - ``worker``, ``dataplane``, ``offload``, ``store_io`` (the disk stores' background
       writes and parallel reads, for every run): written once in :meth:`setup`, on the
       worker's loop, before ``_ready`` is set; read-only afterwards (tasks wait for
@@ -129,6 +131,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self._ready = threading.Event()
         self._tearing_down = False  # loop-confined
         self.idle = IdleWatch(self, freeze_early=False)
+        self.pressure = PressureWatch(self)  # spills the runs' pieces while paused
         self.heartbeat = live.Heartbeat(self)  # the dashboard's numbers, with every heartbeat
 
     def __reduce__(self) -> tuple:
@@ -161,6 +164,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=address)
         self.idle.freeze_early = settings.process_tuning
         self.idle.start()
+        self.pressure.start()
         metrics.register_worker(self)  # on /metrics, where prometheus_client is installed
         self.heartbeat.install(worker)
         self._ready.set()
@@ -171,6 +175,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         metrics.unregister_worker(self)
         self.heartbeat.uninstall(worker)
         self.idle.stop()
+        self.pressure.stop()
         with self._lock:
             runs = list(self.runs.values())
         await asyncio.gather(*(self._close_run(run) for run in runs), return_exceptions=True)
@@ -472,6 +477,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
             )
 
     # --- diagnostics ----------------------------------------------------------------------
+
+    def open_runs(self) -> list[WorkerRun]:
+        """The runs open on this worker now."""
+        with self._lock:
+            return list(self.runs.values())
 
     def run_statistics(self) -> list[RunStatistics]:
         with self._lock:

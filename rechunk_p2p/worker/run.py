@@ -32,6 +32,7 @@ from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed, output_array
 from rechunk_p2p.worker.memory_shares import AnyStore, RunMemory
 from rechunk_p2p.worker.reading import read_output_blocking
+from rechunk_p2p.worker.store_gate import StoreGate
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class WorkerRun:
         # (recent_outputs is the worker's number of task threads: a thread's buffer is free
         # again about two inputs later, when that input's batches were delivered); the idle
         # ones stay within the worker's send buffer (comm.buffer-bytes-limit)
+        self._gate = StoreGate()  # (the store's users, and a spill: spill_blocking)
         self._cuts = CutBuffers(max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit)
         self._use_store(store, storage)
 
@@ -260,24 +262,16 @@ class WorkerRun:
                 f"{data.shape}, expected {expected}"
             )
         start = time.perf_counter()
-        plan = self._cutter.in_place(run_spec, flat, data)
-        scratch = None if plan is not None else self._cuts.take(data.nbytes)
+        scratch = None
         try:
-            if plan is not None:
-                local, remote = self._cutter.send_in_place(run_spec, flat, data, plan)  # type: ignore[arg-type]
-            else:
-                local, remote = self._cutter.cut_blocking(run_spec, flat, data, scratch)
-            if isinstance(local, Packed):
-                local = [local]
-            try:
-                if local and isinstance(local[0], Packed):
-                    nbytes = self._store.write_packed_blocking(local)
+            with self._gate.shared():  # (a spill changes the store and the cutter)
+                plan = self._cutter.in_place(run_spec, flat, data)
+                scratch = None if plan is not None else self._cuts.take(data.nbytes)
+                if plan is not None:
+                    local, remote = self._cutter.send_in_place(run_spec, flat, data, plan)  # type: ignore[arg-type]
                 else:
-                    nbytes = self._store.write_blocking(local) if local else 0
-            except RechunkRunError as e:  # the run closed during the cut: stale, not failed
-                if self.phase is RunPhase.CLOSED and not isinstance(e, StaleRunError):
-                    raise StaleRunError(f"{self!r} closed while input {flat} was cut") from e
-                raise
+                    local, remote = self._cutter.cut_blocking(run_spec, flat, data, scratch)
+                nbytes = self._keep_blocking(flat, local)
             cut = time.perf_counter()
             if remote:
                 # the batches viewing the buffer hold it until they are delivered
@@ -291,6 +285,19 @@ class WorkerRun:
             self._seconds["cut"] += cut - start
             self._seconds["queue_wait"] += time.perf_counter() - cut
         return run_spec.run_id
+
+    def _keep_blocking(self, flat: int, local: list | Packed) -> int:
+        """Store input ``flat``'s own pieces ``local``; the bytes accepted."""
+        if isinstance(local, Packed):
+            local = [local]
+        try:
+            if local and isinstance(local[0], Packed):
+                return self._store.write_packed_blocking(local)
+            return self._store.write_blocking(local) if local else 0
+        except RechunkRunError as e:  # the run closed during the cut: stale, not failed
+            if self.phase is RunPhase.CLOSED and not isinstance(e, StaleRunError):
+                raise StaleRunError(f"{self!r} closed while input {flat} was cut") from e
+            raise
 
     def get_output_blocking(self, flat: int) -> np.ndarray:
         """Assemble output chunk ``flat`` from its pieces. Runs in a task thread.
@@ -335,15 +342,16 @@ class WorkerRun:
         start = time.perf_counter()
         spec = self.run_spec.spec
         partial = spec.partial
-        store = self._store
-        if isinstance(store, AssemblingMemoryStore) or (
-            isinstance(store, SplitStore) and store.holds_in_memory(flat)
-        ):  # filled as its pieces came
-            out, missing = store.take_output_blocking(flat)
-            if out is None:
-                out = empty_output(partial.output_shape(flat), spec.dtype)
-        else:
-            out, missing = read_output_blocking(self._store, self.run_spec.spec, flat)
+        with self._gate.shared():
+            store = self._store
+            if isinstance(store, AssemblingMemoryStore) or (
+                isinstance(store, SplitStore) and store.holds_in_memory(flat)
+            ):  # filled as its pieces came
+                out, missing = store.take_output_blocking(flat)
+                if out is None:
+                    out = empty_output(partial.output_shape(flat), spec.dtype)
+            else:
+                out, missing = read_output_blocking(store, spec, flat)
         if missing:
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
@@ -405,6 +413,35 @@ class WorkerRun:
         if store is not self._store:
             self._use_store(store, store.kind)
 
+    def spill_blocking(self) -> int:
+        """Move the pieces this run holds in memory to disk, and spill every piece that
+        comes from now on (distributed paused the worker: it is short of memory); the bytes
+        moved. Runs in the offload pool; the store's users wait meanwhile. The caller gives
+        back the run's share of the memory budget (:meth:`release_memory`)."""
+        if self._memory is None:
+            return 0
+        with self._gate.sole():
+            with self._lock:  # (as a continuation changes the store: continue_as)
+                if self._phase is RunPhase.CLOSED:
+                    return 0
+                store = self._memory.spillable(self._store, self.run_spec)
+                if store is not self._store:
+                    self._use_store(store, store.kind)
+            if not isinstance(store, SplitStore):
+                return 0
+            try:
+                return store.spill_blocking()
+            except RechunkRunError:
+                if self.phase is RunPhase.CLOSED:  # closed meanwhile: nothing to keep
+                    return 0
+                raise
+
+    def release_memory(self) -> None:
+        """Give back the run's share of the worker's memory budget (it spilled its pieces).
+        On the worker's loop."""
+        if self._memory is not None:
+            self._memory.release()
+
     def keep_outputs(self, outputs: list[int], held: dict[int, np.ndarray]) -> int:
         """Keep the results of ``outputs`` for the continued run's tasks of the same outputs.
 
@@ -441,7 +478,8 @@ class WorkerRun:
     def _store_packed_blocking(self, batch: list[Packed]) -> int:
         start = time.perf_counter()
         self._check_owned_blocking(batch)
-        nbytes = self._store.write_packed_blocking(batch)
+        with self._gate.shared():
+            nbytes = self._store.write_packed_blocking(batch)
         with self._lock:
             self._seconds["store"] += time.perf_counter() - start
         return nbytes

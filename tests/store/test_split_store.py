@@ -134,3 +134,45 @@ def test_outputs_forgotten_in_either_part_take_their_pieces_again(tmp_path) -> N
     for flat in (0, 1):
         assert np.array_equal(_take(store, partial, flat), _expected(partial, data, flat))
     store.close_blocking()
+
+
+@pytest.mark.parametrize("buffer_bytes", [0, 4096])
+def test_a_spill_moves_what_memory_holds_and_every_later_piece_goes_to_disk(
+    tmp_path, buffer_bytes
+) -> None:
+    """Half the pieces come, the outputs in memory move to disk (the worker was paused),
+    the other half come: every output is read whole from disk, nothing is duplicated, and
+    the memory part holds nothing any more."""
+    partial = _partial((8, 32, 32), (1, 32, 32), (8, 8, 8))  # 16 outputs of 8 inputs each
+    data = np.arange(8 * 32 * 32, dtype=F4).reshape(8, 32, 32)
+    pieces = _pieces(partial, data)
+    store = _split(partial, range(12), tmp_path / "spill", buffer_bytes)
+    first, rest = pieces[: len(pieces) // 2], pieces[len(pieces) // 2 :]
+    assert store.write_blocking(first) == sum(p[2].nbytes for p in first)
+    in_memory = sum(p[2].nbytes for p in first if p[0] < 12)
+    assert store.spill_blocking() == in_memory
+    assert not any(store.holds_in_memory(flat) for flat in range(partial.n_outputs))
+    assert store.memory.statistics().bytes_buffered == 0
+    assert store.write_blocking(rest) == sum(p[2].nbytes for p in rest)
+    assert store.write_blocking(first[:7]) == 0  # a retried delivery, after the move
+    stats = store.statistics()
+    assert stats.duplicates == 7
+    assert stats.bytes_spilled == data.nbytes
+    for flat in range(partial.n_outputs):
+        assert np.array_equal(_take(store, partial, flat), _expected(partial, data, flat))
+    store.close_blocking()
+    assert not (tmp_path / "spill").exists()
+
+
+def test_a_spill_leaves_outputs_handed_over_alone(tmp_path) -> None:
+    """An output assembled and handed over before the move stays the caller's, whole."""
+    partial = _partial((6, 4), (1, 4), (6, 1))
+    data = np.arange(24, dtype=F4).reshape(6, 4)
+    store = _split(partial, {0, 1, 2, 3}, tmp_path / "spill")
+    store.write_blocking(_pieces(partial, data))
+    taken = _take(store, partial, 0)
+    assert store.spill_blocking() == 3 * 6 * F4.itemsize  # outputs 1, 2 and 3
+    assert np.array_equal(taken, _expected(partial, data, 0))
+    for flat in (1, 2, 3):
+        assert np.array_equal(_take(store, partial, flat), _expected(partial, data, flat))
+    store.close_blocking()
