@@ -42,6 +42,7 @@ _RUN_COLUMNS = (
     ("disk_text", "on disk"),
     ("workers", "workers"),
     ("seconds_text", "time"),
+    ("loop_text", "loop max"),
 )
 
 
@@ -265,6 +266,9 @@ def _runs_data(view: LiveView) -> dict[str, list]:
         "disk_text": [format_bytes(r.bytes_disk) for r in rows],
         "workers": [r.workers for r in rows],
         "seconds_text": [f"{r.seconds:.1f} s" for r in rows],
+        # (the most any worker's loop lagged while the run was open there: what the
+        # end-of-run summary's last line says of the workers)
+        "loop_text": [f"{r.loop_max_ms:.0f} ms" for r in rows],
     }
 
 

@@ -43,6 +43,7 @@ class FinishedRun:
     workers: int = 0  # the run's workers as it closed
     bytes_sent: int = 0  # from its workers' last heartbeats
     bytes_received: int = 0
+    loop_max_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class RunRow:
     workers: int
     seconds: float
     name: str = ""  # the input's name (ShuffleSpec.label): the array or variable
+    loop_max_ms: float = 0.0  # the most lag of its workers' loops while it was open there
 
     @property
     def label(self) -> str:
@@ -121,6 +123,7 @@ def finished_run(scheduler: Any, run: Any, reason: str) -> FinishedRun:
         len(run.workers),
         totals.get("bytes_sent", 0),
         totals.get("bytes_received", 0),
+        totals.get("loop_max_ms", 0.0),
     )
 
 
@@ -157,14 +160,16 @@ def _progress(scheduler: Any, shuffle_id: str) -> tuple[int, int, int, int]:
     return len(transfers), transfers_done, len(outputs), outputs_done
 
 
-def _bytes_per_run(beats: dict[str, dict]) -> dict[tuple[str, int], dict[str, int]]:
-    """``{(shuffle id, run id): {bytes_*: sum over workers, "workers": n}}``."""
+def _bytes_per_run(beats: dict[str, dict]) -> dict[tuple[str, int], dict[str, Any]]:
+    """``{(shuffle id, run id): {bytes_*: sum over workers, "workers": n, "loop_max_ms":
+    the most over workers}}``."""
     out: dict[tuple[str, int], dict[str, int]] = {}
     for beat in beats.values():
         for row in [*beat.get("runs", ()), *beat.get("closed", ())]:
             total = out.setdefault((row["shuffle_id"], row["run_id"]), dict.fromkeys(_BYTES, 0))
             for name in _BYTES:
                 total[name] += row[name] if name != "workers" else 1
+            total["loop_max_ms"] = max(total.get("loop_max_ms", 0.0), row.get("loop_max_ms", 0))
     return out
 
 
@@ -188,6 +193,7 @@ def _open_row(scheduler: Any, run: Any, per_run: dict, now: float) -> RunRow:
         max(totals["workers"], len(run.workers)),
         now - run.started,
         run.run_spec.spec.label,
+        totals.get("loop_max_ms", 0.0),
     )
 
 
@@ -211,6 +217,7 @@ def _finished_row(f: FinishedRun, per_run: dict) -> RunRow:
         max(totals["workers"], f.workers),
         f.finished - f.started,
         f.name,
+        max(totals.get("loop_max_ms", 0.0), f.loop_max_ms),
     )
 
 

@@ -30,6 +30,7 @@ from rechunk_p2p.diagnostics import gc_pauses
 from rechunk_p2p.diagnostics.loop_stats import LagAccumulator, summarise
 from rechunk_p2p.diagnostics.stall_causes import CauseTracker, StallWatchdog
 from rechunk_p2p.errors import ClusterError
+from rechunk_p2p.spec import PLUGIN_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,9 @@ class _LoopProbe:
         lag_ms = max(0.0, now - self.due) * 1000.0
         self.acc.add(now + self.offset, lag_ms)
         self.causes.observe(lag_ms)
+        window = _engine_window(self.server)
+        if window is not None:  # (the runs' maxima on the dashboard: as fine as this)
+            window.observe(lag_ms / 1000.0)
         if self.watchdog is not None:
             self.watchdog.beat()
         self.due = now + self.interval
@@ -214,6 +218,15 @@ class _LoopProbe:
         }
         wire["causes"] = self.causes.wire(stacks) | self.gc.wire()
         return wire
+
+
+def _engine_window(server: Any) -> Any:
+    """The engine's loop-lag window of a worker (:class:`~rechunk_p2p.diagnostics.live.
+    LoopLagWindow`), where its plugin is installed; else ``None``."""
+    plugins = getattr(server, "plugins", None)
+    plugin = plugins.get(PLUGIN_NAME) if isinstance(plugins, dict) else None
+    heartbeat = getattr(plugin, "heartbeat", None)
+    return getattr(heartbeat, "lag", None)
 
 
 def _digest(server: Any, name: str) -> float:

@@ -266,6 +266,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
 
     def _new_run(self, run_spec: RunSpec) -> WorkerRun:
         assert self.dataplane is not None and self.offload is not None
+        self.heartbeat.lag.open_run(run_spec.shuffle_id)
         return make_run(
             run_spec,
             self.worker,
@@ -289,6 +290,9 @@ class RechunkWorkerPlugin(WorkerPlugin):
                 del self.runs[run.shuffle_id]
                 self._closed_totals = self._closed_totals.plus(stats)
                 self._recent.append(replace(stats, phase="closed"))
+            replaced = run.shuffle_id in self.runs  # (by a newer run, which goes on)
+        if not replaced:
+            self.heartbeat.lag.close_run(run.shuffle_id)
         await run.close()
 
     # --- handlers -------------------------------------------------------------------------

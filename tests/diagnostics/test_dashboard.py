@@ -18,7 +18,12 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
-from rechunk_p2p.diagnostics.live import LAG_INTERVAL, LoopLagWindow
+from rechunk_p2p.diagnostics.live import (
+    CLOSED_PEAKS,
+    LAG_INTERVAL,
+    LAG_SAMPLES,
+    LoopLagWindow,
+)
 from rechunk_p2p.diagnostics.live_view import live_view
 from rechunk_p2p.spec import PLUGIN_NAME
 
@@ -169,11 +174,29 @@ def test_the_lag_window_keeps_the_recent_samples_and_a_histogram():
     assert summary["max_ms"] == pytest.approx(200.0)
     assert summary["p99_ms"] == pytest.approx(30.0)
     assert window.buckets[0] == 198 and sum(window.buckets) == 200
-    for _ in range(300):  # old samples leave the recent window, not the histogram
+    for _ in range(LAG_SAMPLES):  # old samples leave the recent window, not the histogram
         window.add(0.002)
     assert window.summary()["max_ms"] == pytest.approx(2.0)
-    assert sum(window.buckets) == 500
+    assert sum(window.buckets) == 200 + LAG_SAMPLES
     assert LAG_INTERVAL <= 0.1
+
+
+def test_the_lag_window_keeps_each_runs_maximum_from_its_opening():
+    window = LoopLagWindow()
+    window.add(0.5)  # before any run: nobody's
+    window.open_run("a")
+    window.add(0.04)
+    window.open_run("b")
+    window.add(0.02)
+    window.close_run("a")
+    window.add(0.3)  # after a closed: b's only
+    assert window.peaks_ms() == pytest.approx({"a": 40.0, "b": 300.0})
+    for k in range(CLOSED_PEAKS + 3):  # closed runs' maxima are kept, the last ones
+        window.open_run(f"c{k}")
+        window.close_run(f"c{k}")
+    window.close_run("b")
+    peaks = window.peaks_ms()
+    assert len(peaks) == CLOSED_PEAKS and "b" in peaks and "a" not in peaks
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

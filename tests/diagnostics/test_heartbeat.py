@@ -19,10 +19,10 @@ async def test_a_heartbeat_in_flight_survives_the_plugin_being_removed(c, s, a, 
     entered, release = threading.Event(), threading.Event()
     real = live.heartbeat_blocking
 
-    def held(plugin, lag):  # a beat that waits in its thread until the plugin is gone
+    def held(plugin, lag, peaks):  # a beat that waits in its thread until the plugin is gone
         entered.set()
         assert release.wait(10)
-        return real(plugin, lag)
+        return real(plugin, lag, peaks)
 
     monkeypatch.setattr(live, "heartbeat_blocking", held)
     beat = asyncio.create_task(a.get_metrics())
