@@ -297,3 +297,29 @@ def test_a_stall_is_described_in_one_line():
         "Rechunk abc-0.0 (open_dataset-t2m, run 7) has waited 12 s: 24 output tasks wait "
         "for worker tcp://w:1, which is paused (process memory 2.63 GiB of its 3.00 GiB limit)"
     )
+
+
+@pytest.mark.parametrize(
+    ("limit", "send", "disk"),
+    [
+        (None, 256 * 2**20, 64 * 2**20),  # no memory limit: the settings as they are
+        (4 * 2**30, 256 * 2**20, 64 * 2**20),
+        (512 * 2**20, 128 * 2**20, 32 * 2**20),
+        (4 * 2**20, 2 * 2**20, 256 * 2**10),  # (a send buffer holds one message at least)
+    ],
+)
+def test_the_engines_buffers_stay_within_a_share_of_the_memory_limit(limit, send, disk):
+    from rechunk_p2p.settings import WorkerSettings
+
+    settings = WorkerSettings.read()
+    assert settings.send_buffer_bytes(limit) == send
+    assert settings.disk_buffer_bytes(limit) == disk
+    if limit:  # pieces in memory, the send buffer and three runs' disk buffers
+        engine = settings.memory_budget(limit) + send + 3 * disk
+        assert engine < 0.8 * limit or limit < 64 * 2**20
+
+
+@gen_cluster(client=True, nthreads=TWO, worker_kwargs={"memory_limit": "512MiB"})
+async def test_a_small_workers_send_buffer_is_a_quarter_of_its_memory(c, s, a, b):
+    await rechunk_p2p.register(c)
+    assert [w.plugins[PLUGIN].dataplane.limiter.limit for w in (a, b)] == [128 * 2**20] * 2

@@ -149,7 +149,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             worker.address,
             worker.security,
             self.receive,
-            buffer_bytes=settings.buffer_bytes,
+            buffer_bytes=settings.send_buffer_bytes(_memory_limit(worker)),
             concurrency=settings.concurrency,
             ports=settings.ports,
             connections=settings.connections,
@@ -508,6 +508,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
         for stats in open_stats:
             totals = totals.plus(stats)
         return totals
+
+
+def _memory_limit(worker: Any) -> int | None:
+    """``worker``'s memory limit (``None``: none)."""
+    return getattr(getattr(worker, "memory_manager", None), "memory_limit", None) or None
 
 
 def get_plugin(worker: Any = None) -> RechunkWorkerPlugin:

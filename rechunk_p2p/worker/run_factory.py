@@ -43,9 +43,9 @@ def make_run(
     when it closes)."""
     settings = WorkerSettings.read()
     address = worker.address
-    budget = settings.memory_budget(
-        getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
-    )
+    limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
+    budget = settings.memory_budget(limit)
+    disk_buffer = settings.disk_buffer_bytes(limit)
     choice = resolve_storage(run_spec, address, shares.available(budget))
     storage = choice.kind
     directory = os.path.join(worker.local_directory, ENGINE_DIRECTORY)
@@ -57,7 +57,7 @@ def make_run(
         dtype=spec.dtype,
         directory=directory,
         name=name,
-        buffer_bytes=settings.disk_write_buffer_bytes,
+        buffer_bytes=disk_buffer,
         direct_io=direct_io(run_spec, choice, address, settings),
         partial=partial if known else None,
         in_memory=choice.in_memory,
@@ -66,9 +66,7 @@ def make_run(
 
     def spill() -> DiskPieceStore:  # outputs a continuation moves here, past the budget
         io = direct_io(run_spec, StorageChoice("disk"), address, settings)
-        return DiskPieceStore(
-            spec.dtype, directory, name, settings.disk_write_buffer_bytes, io, store_io
-        )
+        return DiskPieceStore(spec.dtype, directory, name, disk_buffer, io, store_io)
 
     memory = RunMemory(shares, budget, spill)
     memory.reserve(choice.reserved)
