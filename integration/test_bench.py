@@ -263,7 +263,9 @@ def test_steps_before_the_rechunk_command_small(capsys: pytest.CaptureFixture[st
 
     bench_steps.main(["--hours", "256", "--repeat", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "| step | rechunk_p2p | dask p2p | vs dask p2p |"
+    assert lines[0] == "| origin | step | rechunk_p2p | dask p2p | vs dask p2p | vs no step |"
     rows = lines[2:]
-    assert [r.split(" | ")[0] for r in rows] == [f"| `{s}`" for s in bench_steps.STEPS]
+    assert [tuple(r.split(" | ")[:2]) for r in rows] == [
+        (f"| {o}", f"`{s}`") for o in bench_steps.ORIGINS for s in bench_steps.STEPS
+    ]
     assert all(r.count(" s (") == 2 and r.rstrip(" |").endswith("x") for r in rows), rows

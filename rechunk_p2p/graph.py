@@ -40,7 +40,7 @@ from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.holders import HeldChunks, group_holders, partial_transfers
 from rechunk_p2p.planning import Partial, RechunkPlan
 from rechunk_p2p.planning.groups import group_members
-from rechunk_p2p.sources import InputSources, read_together
+from rechunk_p2p.sources import ChainedTasks, InputSources, read_together
 from rechunk_p2p.spec import (
     HELD_PREFIX,
     JOINED_PREFIX,
@@ -345,6 +345,14 @@ class RechunkLayer(Layer):
             return self._joined(index)
         return self._chunk_node(index)
 
+    def _box(self, chunks: list[tuple[int, ...]], grid: tuple[int, ...]) -> Task | None:
+        """The task that makes input ``chunks`` as one box through a chain of elementwise
+        steps (:meth:`ChainedTasks.box_task`), where the input is made that way."""
+        layer = self.sources.layer if self.sources is not None else None
+        if not isinstance(layer, ChainedTasks):
+            return None
+        return layer.box_task([(self.input_name, *c) for c in chunks], grid, tasks.join)
+
     def _chunk_node(self, index: tuple[int, ...]) -> GraphNode | TaskRef:
         """The node that gives input chunk ``index``: the task that makes it, the task that
         computes it from a held chunk, or a reference to the held chunk."""
@@ -398,13 +406,18 @@ class RechunkLayer(Layer):
         if self._members is None:
             self._members = [group_members(g) for g in self.plan.groups]
         members = [axis[i] for axis, i in zip(self._members, index)]
-        made = [self._chunk_node(chunk) for chunk in itertools.product(*members)]
-        if len(made) == 1 and key is None:
-            return made[0]
+        chunks = list(itertools.product(*members))
         grid = tuple(len(m) for m in members)
-        together = read_together(made, grid) if self.sources is not None else None
-        if together is not None:  # one read of the whole group (an array object's slices)
-            made, grid = [together], (1,) * len(grid)
+        boxed = self._box(chunks, grid) if len(chunks) > 1 else None
+        if boxed is not None:  # the inputs made and joined, an elementwise step applied once
+            made, grid = [boxed], (1,) * len(grid)
+        else:
+            made = [self._chunk_node(chunk) for chunk in chunks]
+            if len(made) == 1 and key is None:
+                return made[0]
+            together = read_together(made, grid) if self.sources is not None else None
+            if together is not None:  # one read of the whole group, any elementwise steps
+                made, grid = [together], (1,) * len(grid)  # applied once
         producer = any(isinstance(t, GraphNode) and t.data_producer for t in made)
         return Task(key, func, grid, *made, _data_producer=producer)
 

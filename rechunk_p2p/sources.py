@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+import operator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import dask.array as da
-from dask._task_spec import DataNode, Task, TaskRef
+import numpy as np
+from dask._task_spec import DataNode, GraphNode, Task, TaskRef, _execute_subgraph
+from dask.array import chunk
 from dask.array.core import getter
-from dask.blockwise import Blockwise, optimize_blockwise
+from dask.blockwise import Blockwise, blockwise_token, optimize_blockwise
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
 
@@ -139,6 +142,26 @@ class ChainedTasks(Mapping[Any, Any]):
     def __init__(self, step: Blockwise, inputs: Mapping[str, InputSources]) -> None:
         self._step = step
         self._inputs = dict(inputs)
+        self._template = _box_template(step, set(inputs))
+
+    def box_task(
+        self, keys: list[tuple[Any, ...]], grid: tuple[int, ...], join: Callable[..., Any]
+    ) -> Task | None:
+        """One task that makes the box of chunks ``keys`` (the step's keys, in C order over
+        ``grid``): the chunks of each input made and joined by ``join(grid, *chunks)``, and
+        the step applied once to the joined box, where the step is elementwise with scalars
+        besides its inputs; else ``None``. Nothing of the step's layer is materialised: a
+        chain over 17,520 made chunks cost 2.4 s of the client's time to build chunk by
+        chunk."""
+        if self._template is None:
+            return None
+        template, tokens = self._template
+        subs = {
+            token: Task(None, join, grid, *(self._inputs[name].task((name, *k[1:])) for k in keys))
+            for token, name in tokens.items()
+        }
+        task = template.substitute(subs)
+        return Task(None, task.func, *task.args, **task.kwargs)
 
     def __getitem__(self, key: Any) -> Any:
         node = self._step[key]
@@ -154,6 +177,38 @@ class ChainedTasks(Mapping[Any, Any]):
 
     def __len__(self) -> int:
         return len(self._step)
+
+
+def _box_template(step: Blockwise, inputs: set[str]) -> tuple[Task, dict[str, str]] | None:
+    """The step's task with its scalar arguments in place, and the tokens that stand for its
+    chunk inputs (by input name), where every step is elementwise (:data:`ELEMENTWISE`,
+    numpy ufuncs) and every argument but the inputs a scalar; else ``None``."""
+    task = getattr(step, "task", None)
+    if not isinstance(task, Task):
+        return None
+    subs: dict[str, Any] = {}
+    tokens: dict[str, str] = {}
+    for i, (arg, index) in enumerate(step.indices):
+        token = blockwise_token(i)
+        if index is not None:
+            if arg not in inputs:
+                return None
+            tokens[token] = arg
+        elif isinstance(arg, (GraphNode, TaskRef)) or np.ndim(arg) != 0:
+            return None
+        else:
+            subs[token] = DataNode(None, arg)
+    if task.func is _execute_subgraph:
+        subgraph, _, inkeys, *args = task.args
+        if not (
+            isinstance(subgraph, dict)
+            and all(isinstance(a, TaskRef) and a.key in subs.keys() | tokens.keys() for a in args)
+            and _elementwise(subgraph, None, set(inkeys))
+        ):
+            return None
+    elif not _elementwise({task.key: task}, None, subs.keys() | tokens.keys()):
+        return None
+    return task.substitute(subs), tokens
 
 
 def _small_roots(graph: HighLevelGraph, layers: Mapping[str, Layer]) -> bool:
@@ -181,14 +236,20 @@ def _made_by_tasks(layer: Layer, keys: list, shared: Mapping[str, Layer]) -> boo
 def read_together(made: list[Any], grid: tuple[int, ...]) -> Task | None:
     """One task that reads the box of chunks ``made`` (their tasks, in C order over
     ``grid``) in one call, when each is ``dask.array.core.getter`` of one array object (what
-    ``da.from_array`` and ``da.from_zarr`` make) at slices that tile that box; else ``None``.
+    ``da.from_array`` and ``da.from_zarr`` make) at slices that tile that box, possibly
+    followed by a chain of elementwise steps with scalars (:func:`elementwise_read`): the
+    chain is then applied once, to the box; else ``None``.
 
     A zarr array read once for eight chunks decodes them in one request (its codec pipeline
     reads the chunks of a request together) and hands over one block, where eight reads
     each pay a request and make a block to join.
     """
     first = made[0]
-    if not isinstance(first, Task) or first.func is not getter or len(first.args) != 2:
+    if not isinstance(first, Task):
+        return None
+    if first.func is _execute_subgraph:
+        return _chain_together(made, grid)
+    if first.func is not getter or len(first.args) != 2:
         return None
     source = first.args[0]
     if not isinstance(source, TaskRef):
@@ -205,12 +266,50 @@ def read_together(made: list[Any], grid: tuple[int, ...]) -> Task | None:
             or not isinstance(task.args[1], DataNode)
         ):
             return None
-        box = task.args[1].value
+        boxes.append(task.args[1].value)
+    union = _union(boxes, grid)
+    if union is None:
+        return None
+    return Task(None, getter, source, DataNode(None, union), **first.kwargs)
+
+
+def _chain_together(made: list[Any], grid: tuple[int, ...]) -> Task | None:
+    """:func:`read_together` of chunks made by one fused elementwise chain over a read."""
+    first = made[0]
+    at = elementwise_read(first)
+    if at is None:
+        return None
+    boxes = []
+    for task in made:
+        if (
+            not isinstance(task, Task)
+            or task.func is not _execute_subgraph
+            or task.args[0] is not first.args[0]  # (one subgraph for the layer's chunks)
+            or len(task.args) != len(first.args)
+            or any(
+                k != at and not _same_node(a, b)
+                for k, (a, b) in enumerate(zip(task.args, first.args))
+            )
+            or not isinstance(task.args[at], DataNode)
+        ):
+            return None
+        boxes.append(task.args[at].value)
+    union = _union(boxes, grid)
+    if union is None:
+        return None
+    args = list(first.args)
+    args[at] = DataNode(None, union)
+    return Task(None, _execute_subgraph, *args, **first.kwargs)
+
+
+def _union(boxes: list[Any], grid: tuple[int, ...]) -> tuple[slice, ...] | None:
+    """The box that ``boxes`` (slices of each chunk, in C order over ``grid``) tile, or
+    ``None`` where they do not."""
+    for box in boxes:
         if not isinstance(box, tuple) or not all(
             isinstance(b, slice) and b.step in (None, 1) and b.start is not None for b in box
         ):
             return None
-        boxes.append(box)
     if len(boxes[0]) != len(grid):
         return None
     # each axis's slices, from the chunks at the start of the others; every chunk's box must
@@ -224,5 +323,104 @@ def read_together(made: list[Any], grid: tuple[int, ...]) -> Task | None:
     for box, index in zip(boxes, itertools.product(*(range(n) for n in grid))):
         if any(box[a] != alongs[a][i] for a, i in enumerate(index)):
             return None
-    union = tuple(slice(along[0].start, along[-1].stop) for along in alongs)
-    return Task(None, getter, source, DataNode(None, union), **first.kwargs)
+    return tuple(slice(along[0].start, along[-1].stop) for along in alongs)
+
+
+#: Functions that compute each element of their result from the same element of their
+#: array arguments (and scalars): a chain of them gives the same values on a box as on each
+#: of its chunks
+ELEMENTWISE: frozenset[Any] = frozenset(
+    {
+        *(
+            getattr(operator, name)
+            for name in (
+                "add",
+                "sub",
+                "mul",
+                "truediv",
+                "floordiv",
+                "mod",
+                "pow",
+                "neg",
+                "pos",
+                "abs",
+                "and_",
+                "or_",
+                "xor",
+                "invert",
+                "not_",
+                "eq",
+                "ne",
+                "lt",
+                "le",
+                "gt",
+                "ge",
+            )
+        ),
+        np.where,
+        np.clip,
+        chunk.astype,
+    }
+)
+
+
+def elementwise_read(task: Task) -> int | None:
+    """Where the slices of the read are among ``task``'s arguments, when ``task`` (a fused
+    chunk task, ``_execute_subgraph``) is one ``getter`` of an array object followed by
+    steps that are elementwise (:data:`ELEMENTWISE`, numpy ufuncs) with scalar arguments;
+    else ``None``."""
+    if task.func is not _execute_subgraph or len(task.args) < 3:
+        return None
+    subgraph, _, inkeys, *args = task.args
+    if not isinstance(subgraph, dict) or len(inkeys) != len(args):
+        return None
+    values = dict(zip(inkeys, args))
+    reads = [n for n in subgraph.values() if isinstance(n, Task) and n.func is getter]
+    if len(reads) != 1 or len(reads[0].args) != 2:
+        return None
+    source, box = reads[0].args
+    if not (isinstance(box, TaskRef) and box.key in values and isinstance(source, TaskRef)):
+        return None
+    scalars = {k for k, v in values.items() if isinstance(v, DataNode) and np.ndim(v.value) == 0}
+    if not _elementwise(subgraph, reads[0], scalars):
+        return None
+    return 3 + list(inkeys).index(box.key)
+
+
+def _elementwise(subgraph: dict, read: Task | None, allowed: set[Any]) -> bool:
+    """Whether every task of ``subgraph`` but ``read`` is elementwise, reads only tasks of
+    the subgraph and ``allowed`` keys, and passes only plain keywords."""
+    inner = set(subgraph)
+    for node in subgraph.values():
+        if node is read:
+            continue
+        if not isinstance(node, Task):
+            return False
+        func = node.func
+        if func is _execute_subgraph:
+            sub, _, keys, *args = node.args
+            if not all(isinstance(a, TaskRef) and a.key in inner | allowed for a in args):
+                return False
+            if not isinstance(sub, dict) or not _elementwise(sub, read, set(keys)):
+                return False
+            continue
+        if not (isinstance(func, np.ufunc) or func in ELEMENTWISE):
+            return False
+        if not all(
+            (isinstance(a, TaskRef) and a.key in inner | allowed)
+            or (isinstance(a, DataNode) and np.ndim(a.value) == 0)
+            for a in node.args
+        ):
+            return False
+        if any(isinstance(v, (np.ndarray, GraphNode)) for v in node.kwargs.values()):
+            return False
+    return True
+
+
+def _same_node(a: Any, b: Any) -> bool:
+    """Whether two arguments of chunk tasks are the same reference or scalar."""
+    if isinstance(a, TaskRef) and isinstance(b, TaskRef):
+        return a.key == b.key
+    if isinstance(a, DataNode) and isinstance(b, DataNode):
+        return np.ndim(a.value) == 0 and np.ndim(b.value) == 0 and bool(a.value == b.value)
+    return a is b or (isinstance(a, (str, tuple)) and a == b)

@@ -173,3 +173,87 @@ def test_slices_that_do_not_tile_a_box_are_read_one_by_one():
     swapped = [rows[1], rows[0]]
     for made in (gap, other, locked, swapped):
         assert read_together(made, (2, 1)) is None
+
+
+def _calls(node, func) -> int:
+    """How many calls of ``func`` a task holds, in nested tasks and fused subgraphs."""
+    from dask._task_spec import Task
+
+    if isinstance(node, dict):
+        return sum(_calls(v, func) for v in node.values())
+    if not isinstance(node, Task):
+        return 0
+    own = node.func is func
+    return own + sum(_calls(a, func) for a in (*node.args, *node.kwargs.values()))
+
+
+#: Chains of elementwise steps users put before a rechunk, with dtype changes and scalars
+STEPS = {
+    "astype": lambda x: x.astype("f4"),
+    "scale-offset": lambda x: x * 0.01 + 273.15,
+    "where-clip": lambda x: da.where(x > 100, x, 0).clip(10, 150),
+    "fillna-sqrt": lambda x: np.sqrt(da.where(da.isnan(x), 0.0, x)),
+    "compare": lambda x: (x >= 50).astype("i1") - 1,
+}
+
+
+def _transfers(y) -> list:
+    return [v for k, v in dict(y.__dask_graph__()).items() if "rechunk_p2p-transfer" in str(k)]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_chain_of_elementwise_steps_on_a_store_reads_each_group_once(tmp_path, step):
+    """The box of a transfer's chunks is read in one call and the steps applied to it once;
+    the values are dask's own."""
+    from dask._task_spec import _execute_subgraph
+
+    z = zarr.open_array(tmp_path / "s.zarr", mode="w", shape=(64, 8, 6), chunks=(1, 4, 6))
+    z[:] = np.arange(z.size, dtype="f8").reshape(z.shape)
+    x = STEPS[step](da.from_zarr(z))
+    y = rechunk_p2p.rechunk(x, (64, 2, 3))
+    transfers = _transfers(y)
+    plan = rechunk_p2p.plan(x, (64, 2, 3), n_workers=2)
+    assert len(transfers) == plan.n_transfers < plan.n_input_chunks
+    assert [_calls(t, da.core.getter) for t in transfers] == [1] * len(transfers)
+    # the chain of one chunk, once a transfer (not once a chunk of its group)
+    chain = _calls(find_sources(x).task((x.name, 0, 0, 0)), _execute_subgraph)
+    assert [_calls(t, _execute_subgraph) for t in transfers] == [chain] * len(transfers)
+    got = y.compute(scheduler="sync")
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got, x.rechunk((64, 2, 3)).compute(scheduler="sync"))
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_chain_of_elementwise_steps_on_generated_data_runs_once_a_group(step):
+    """Generated chunks are made, joined into the transfer's box, and the steps applied to
+    the box once (one join a transfer); the values are dask's own."""
+    from rechunk_p2p import tasks
+
+    x = STEPS[step](da.random.default_rng(0).random((256, 16), chunks=(1, 16)) * 200)
+    y = rechunk_p2p.rechunk(x, (256, 4))
+    transfers = _transfers(y)
+    assert len(transfers) < 256
+    assert [_calls(t, tasks.join) for t in transfers] == [1] * len(transfers)
+    got = y.compute(scheduler="sync")
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got, x.rechunk((256, 4)).compute(scheduler="sync"))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda x: x.map_blocks(lambda b: b[::-1]), id="map_blocks"),
+        pytest.param(lambda x: x * np.arange(16.0), id="a-broadcast-constant"),
+    ],
+)
+def test_steps_not_known_elementwise_run_chunk_by_chunk(make):
+    """A function the engine cannot tell elementwise (here one that is not) is applied to
+    each chunk as dask would, inside the transfer: no box is joined for it."""
+    from rechunk_p2p import tasks
+
+    x = make(da.random.default_rng(0).random((256, 16), chunks=(1, 16)))
+    y = rechunk_p2p.rechunk(x, (256, 4))
+    assert sum(_calls(t, tasks.join) for t in _transfers(y)) == 0
+    np.testing.assert_array_equal(
+        y.compute(scheduler="sync"), x.rechunk((256, 4)).compute(scheduler="sync")
+    )
