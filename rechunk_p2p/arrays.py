@@ -35,7 +35,7 @@ from rechunk_p2p.planning import RechunkPlan
 from rechunk_p2p.planning.axes import Chunks, element_bytes
 from rechunk_p2p.planning.groups import transfer_groups
 from rechunk_p2p.settings import ClientSettings
-from rechunk_p2p.sources import InputSources, find_sources
+from rechunk_p2p.sources import InputSources, find_sources, not_made
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +104,30 @@ def plan_array(
     settings = ClientSettings.read()
     sources = _joinable(x, settings)
     held = _held(x, settings) if sources is None else None
-    return _make_plan(
+    plan = _make_plan(
         x, new, block_size_limit, settings, n_workers, joinable=sources is not None, held=held
     )
+    return replace(plan, origin=_origin(x, settings, sources, held))
+
+
+def _origin(
+    x: da.Array, settings: ClientSettings, sources: InputSources | None, held: HeldChunks | None
+) -> str:
+    """Where the plan's input chunks come from: made by the transfer tasks, held on the
+    workers, or computed first, and why."""
+    if sources is not None:
+        return "made inside the transfer tasks"
+    if held is not None:
+        return "held on the workers (persisted)"
+    if settings.transfer_group_bytes <= 0:
+        why = "transfer-group-bytes is 0"
+    elif _is_expression(x):
+        why = "dask's query planning builds the graph"
+    elif _unknown_axes(x):
+        why = "some chunk sizes are unknown"
+    else:
+        why = not_made(x) or "its chunks are not made by tasks of their own"
+    return f"its own task a chunk, before the transfers: {why}"
 
 
 def _is_expression(x: da.Array) -> bool:

@@ -62,43 +62,67 @@ def find_sources(x: da.Array) -> InputSources | None:
     """The tasks that make ``x``'s chunks, when each is made from nothing or from a few shared
     values, possibly through a chain of chunk-wise steps (see :func:`_through_steps`);
     ``None`` when a chunk is held data, a future, made from other chunks, annotated, or made
-    by a task that must not be fused (such as another rechunk's output)."""
+    by a task that must not be fused (such as another rechunk's output): :func:`not_made`
+    says which."""
+    found = _find(x)
+    return found if isinstance(found, InputSources) else None
+
+
+def not_made(x: da.Array) -> str | None:
+    """Why transfer tasks cannot make ``x``'s chunks themselves (``None``: they can)."""
+    found = _find(x)
+    return None if isinstance(found, InputSources) else found
+
+
+def _find(x: da.Array) -> InputSources | str:
+    """:func:`find_sources`, or why not."""
     graph = x.__dask_graph__()
     if not isinstance(graph, HighLevelGraph):
-        return None
+        return "its graph has no layers (a plain dict)"
     if any(layer.annotations for layer in graph.layers.values()):
-        return None
+        return "a layer of its graph is annotated (dask.annotate): its tasks stay apart"
     keys = list(flatten(x.__dask_keys__()))
     fused = optimize_blockwise(graph, keys=keys)
     return _sources_in(fused, x.name, keys)
 
 
-def _sources_in(fused: HighLevelGraph, name: str, keys: list) -> InputSources | None:
+def _sources_in(fused: HighLevelGraph, name: str, keys: list) -> InputSources | str:
     """:func:`find_sources` for the chunks ``keys`` of layer ``name`` of ``fused`` (a graph
-    that dask's blockwise fusion went over)."""
+    that dask's blockwise fusion went over), or why not."""
     layer = fused.layers.get(name)
     if layer is None:
-        return None
+        return f"its chunks are not a layer of its graph ({name!r})"
     shared = {dep: fused.layers[dep] for dep in fused.dependencies.get(name, ())}
     if not _small_roots(fused, shared):
-        return _through_steps(fused, layer, shared) if isinstance(layer, Blockwise) else None
+        if isinstance(layer, Blockwise):
+            return _through_steps(fused, layer, shared)
+        return f"its chunks ({_what(name)}) are computed from other tasks' results"
     if isinstance(layer, Blockwise):
         return InputSources(layer, shared)
     if isinstance(layer, MaterializedLayer) and _made_by_tasks(layer, keys, shared):
         return InputSources(layer, shared)
-    return None
+    return f"its chunks ({_what(name)}) are held data, futures or tasks that stay apart"
+
+
+def _what(name: str) -> str:
+    """A layer's name as dask's task names read (``key_split``)."""
+    from dask.utils import key_split
+
+    return key_split(name)
 
 
 def _through_steps(
     fused: HighLevelGraph, layer: Blockwise, deps: Mapping[str, Layer]
-) -> InputSources | None:
+) -> InputSources | str:
     """Chunks made by a chunk-wise step (``astype``, arithmetic with scalars, ``where``,
     ``map_blocks``, ...) from the chunks at the same index of arrays whose chunks are made
     themselves (generated data that dask's blockwise fusion cannot take in, being no
     blockwise layer of its own), and from a few shared values: each chunk's task with the
-    tasks that make the chunks it reads put in place of its references to them."""
+    tasks that make the chunks it reads put in place of its references to them. Or why
+    not."""
+    step = _what(layer.output)
     if layer.concatenate or layer.new_axes:
-        return None
+        return f"step {step!r} joins chunks or adds axes"
     aligned = {
         dep
         for dep, index in layer.indices
@@ -109,20 +133,21 @@ def _through_steps(
         for dep, index in layer.indices
         if index is not None
     ):
-        return None  # no chunk-wise input, or one read other than at the chunk's own index
+        return f"step {step!r} reads chunks at other places than its own (a transpose, overlap)"
     inner = {}
     for dep in aligned:
         blocks = layer.numblocks[dep]
         dep_keys = [(dep, *i) for i in itertools.product(*(range(n) for n in blocks))]
         made = _sources_in(fused, dep, dep_keys)
-        if made is None:
-            return None
+        if isinstance(made, str):
+            return made
         inner[dep] = made
     shared = {dep: deps[dep] for dep in deps if dep not in aligned}
     for made in inner.values():
         shared.update(made.shared)
     if not _small_roots(fused, shared):
-        return None
+        others = ", ".join(sorted({_what(d) for d in shared})) or "none"
+        return f"step {step!r} reads the results of other computations ({others})"
     return InputSources(ChainedTasks(layer, inner), shared)
 
 

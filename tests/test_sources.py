@@ -257,3 +257,33 @@ def test_steps_not_known_elementwise_run_chunk_by_chunk(make):
     np.testing.assert_array_equal(
         y.compute(scheduler="sync"), x.rechunk((256, 4)).compute(scheduler="sync")
     )
+
+
+@pytest.mark.parametrize(
+    ("make", "origin"),
+    [
+        (lambda: _random() * 0.01 + 273.15, "made inside the transfer tasks"),
+        (
+            lambda: _random() - _random().mean(axis=0),
+            "before the transfers: step 'sub' reads the results of other computations (mean",
+        ),
+        (
+            lambda: _random().map_overlap(lambda b: b, depth=1),
+            "before the transfers: its chunks (overlap) are computed from other tasks' results",
+        ),
+        (
+            lambda: da.from_array(np.ones((20, 10)), chunks=(2, 10)) + 1,
+            "before the transfers: its chunks (array) are held data",
+        ),
+    ],
+)
+def test_the_plan_says_where_the_input_comes_from_and_why(make, origin):
+    plan = rechunk_p2p.plan(make(), (20, 1), n_workers=2)
+    assert origin in plan.origin
+    assert f"  input        {plan.origin}" in repr(plan).splitlines()
+
+
+def test_the_plan_names_a_setting_that_keeps_chunks_apart():
+    with dask.config.set({"rechunk-p2p.transfer-group-bytes": 0}):
+        plan = rechunk_p2p.plan(_random(), (20, 1), n_workers=2)
+    assert plan.origin.endswith("transfer-group-bytes is 0")

@@ -161,6 +161,7 @@ class RechunkPlan:
     groups: Groups | None = None
     held_transfers: int | None = None
     held_tasks: int = 0
+    origin: str = ""  # where the input's chunks come from, and why (plan() sets it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -301,6 +302,8 @@ class RechunkPlan:
                 f"{_chunk_summary(self.old_chunks)} -> {_chunk_summary(self.new_chunks)}",
             ),
         ]
+        if self.origin:
+            rows.append(("input", self.origin))
         if self.unknown_axes:
             rows.append(
                 (
