@@ -449,6 +449,7 @@ def cluster(
     ):
         starting = pool.submit(_local_cluster, args)
         try:
+            _import_engine()
             meanwhile()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -465,6 +466,17 @@ def cluster(
             registering.join(_REGISTER_SECONDS)
             with contextlib.suppress(Exception):
                 client.run(_quiet_shutdown)
+
+
+def _import_engine() -> None:
+    """Import, in this thread, the engine's modules that the scheduler of the command's own
+    cluster imports when the engine registers in the background (on its loop's thread)
+    while this thread rechunks: two threads importing one package's modules at once can
+    each find the other's half-imported (Python breaks the wait with a partly initialised
+    module: "cannot import name ... (most likely due to a circular import)")."""
+    import rechunk_p2p.integrations.zarr
+    import rechunk_p2p.scheduler
+    import rechunk_p2p.store  # noqa: F401
 
 
 def _local_cluster(args: argparse.Namespace) -> Any:
