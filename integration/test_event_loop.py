@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from distributed import Client
 
+from integration.foreign_load import measured_again
 from integration.lag_bounds import LagBounds, strict_from_env, violations
 from integration.workloads import (
     Workload,
@@ -65,18 +66,19 @@ def _workers_hold_nothing(client: Client) -> dict[str, int]:
 def test_loop_stays_responsive(client: Client, name: str) -> None:
     w: Workload = WORKLOADS[name]
     _, ok = workload_graph("rechunk_p2p", w)
-    t0 = time.perf_counter()
-    with measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe:
-        result = client.compute(ok).result(timeout=TIMEOUT_S)
-    wall = time.perf_counter() - t0
-    report = probe.report
-    print(f"\n{w.summary()}\nwall {wall:.1f} s\n{report}")
-    _save(name, w, wall, report)
-    assert result, f"{name}: some output chunk does not hold the values it should"
-    few = {a: s.samples for a, s in report.per_process.items() if s.samples < MIN_SAMPLES}
-    assert not few, f"{name}: too few lag samples for a 99th percentile: {few}"
-    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
-    assert not broken, "\n".join([*broken, str(report)])
+
+    def check(measured: tuple[bool, Any, float]) -> list[str]:
+        result, report, wall = measured
+        print(f"\n{w.summary()}\nwall {wall:.1f} s\n{report}")
+        _save(name, w, wall, report)
+        assert result, f"{name}: some output chunk does not hold the values it should"
+        few = {a: s.samples for a, s in report.per_process.items() if s.samples < MIN_SAMPLES}
+        assert not few, f"{name}: too few lag samples for a 99th percentile: {few}"
+        broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
+        return [*broken, str(report)] if broken else []
+
+    broken = measured_again(lambda graph=ok: _probed(client, graph), check)
+    assert not broken, "\n".join(broken)
     # Nothing left on the cluster once the result is released.
     del ok
     deadline = time.monotonic() + 10
@@ -122,15 +124,28 @@ def test_loop_stays_responsive_with_the_dashboard_page_open(client: Client) -> N
     del y, ok, x
 
 
-def _within_bounds(client: Client, w: Workload, ok: Any, note: str = "") -> None:
-    """Compute ``ok`` (every output checked) with the loops probed; assert the bounds."""
+def _probed(client: Client, ok: Any) -> tuple[bool, Any, float]:
+    """Compute ``ok`` (every output checked) with the loops probed: the result, the
+    report and the wall seconds."""
+    t0 = time.perf_counter()
     with measure_event_loops(client, PROBE_INTERVAL, capture_stacks="100ms") as probe:
         result = client.compute(ok).result(timeout=TIMEOUT_S)
-    report = probe.report
-    print(f"\n{w.summary()} {note}\n{report}")
-    assert result, f"{w.label}: some output chunk does not hold the values it should"
-    broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
-    assert not broken, "\n".join([*broken, str(report)])
+    return result, probe.report, time.perf_counter() - t0
+
+
+def _within_bounds(client: Client, w: Workload, ok: Any, note: str = "") -> None:
+    """Compute ``ok`` (every output checked) with the loops probed; assert the bounds,
+    measuring again where other work kept the machine busy (:mod:`.foreign_load`)."""
+
+    def check(measured: tuple[bool, Any, float]) -> list[str]:
+        result, report, _ = measured
+        print(f"\n{w.summary()} {note}\n{report}")
+        assert result, f"{w.label}: some output chunk does not hold the values it should"
+        broken = violations(report, LagBounds(max_ms=w.max_ms), strict=strict_from_env())
+        return [*broken, str(report)] if broken else []
+
+    broken = measured_again(lambda: _probed(client, ok), check)
+    assert not broken, "\n".join(broken)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,60 @@
+"""A window that breaks a bound is measured again only while other work kept the machine
+busy, at most three windows, and the failure names each window."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from integration import foreign_load
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_work_of_a_process_outside_this_tree_is_foreign():
+    """A spinning process that is no child of this one (its parent shell exits at once)."""
+    code = "import time\nend = time.time() + 2.5\nwhile time.time() < end: pass"
+    subprocess.run(["sh", "-c", f'{sys.executable} -c "{code}" &'], check=True)
+    time.sleep(0.3)
+    _, window = foreign_load.measure(lambda: time.sleep(1.5))
+    assert window.foreign_cores >= 0.4, window
+
+
+def test_work_of_this_process_is_its_own():
+    before = foreign_load._own_cpu()
+    _spin(1.0)
+    assert foreign_load._own_cpu() - before >= 0.5
+
+
+def test_a_broken_window_on_a_busy_machine_is_measured_again(monkeypatch):
+    windows = iter(
+        [foreign_load.Window(1.0, 1.0), foreign_load.Window(1.0, 0.9), foreign_load.Window(1, 0)]
+    )
+    monkeypatch.setattr(foreign_load, "measure", lambda work: (work(), next(windows)))
+    results = iter([["max lag 300 ms"], ["max lag 250 ms"], []])
+    assert foreign_load.measured_again(lambda: None, lambda _: next(results)) == []
+
+
+def test_a_broken_window_on_a_quiet_machine_fails_at_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        foreign_load, "measure", lambda work: (calls.append(1), foreign_load.Window(2.0, 0.05))
+    )
+    broken = foreign_load.measured_again(lambda: None, lambda _: ["max lag 300 ms"])
+    assert len(calls) == 1
+    assert broken == [
+        "max lag 300 ms",
+        "window 1: 2.0 s with 0.05 cores of other work; broke 1 bound(s)",
+    ]
+
+
+def test_three_busy_windows_fail_naming_each(monkeypatch):
+    monkeypatch.setattr(foreign_load, "measure", lambda work: (None, foreign_load.Window(1.0, 1.5)))
+    broken = foreign_load.measured_again(lambda: None, lambda _: ["max lag 300 ms"])
+    assert broken[0] == "max lag 300 ms" and len(broken) == 1 + foreign_load.ATTEMPTS
+    assert all("1.50 cores of other work" in line for line in broken[1:])
