@@ -30,6 +30,14 @@ class LagBounds:
     unresponsive_warnings: int = 0
 
 
+def widened(bounds: LagBounds, by: float) -> LagBounds:
+    """``bounds`` with their lags ``by`` times longer (a machine busy with other work); past
+    1, the count of stalls over 200 ms is not held (the widened maximum is)."""
+    if by <= 1.0:
+        return bounds
+    return LagBounds(bounds.p99_ms * by, bounds.max_ms * by, 10**9, bounds.unresponsive_warnings)
+
+
 def strict_from_env() -> bool:
     """``RECHUNK_P2P_STRICT_LAG=1``: also hold the raw (unadjusted) lag to the bounds."""
     return os.environ.get("RECHUNK_P2P_STRICT_LAG", "") not in ("", "0", "false", "no")
