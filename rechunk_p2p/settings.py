@@ -11,6 +11,7 @@ before anything runs. docs/configuration.md says what each key does and why it i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rechunk_p2p import config
 from rechunk_p2p.config import Storage
@@ -156,7 +157,11 @@ def _seconds(key: str) -> float:
         ) from None
 
 
-def _positive(key: str, value: float) -> int | float:
+N = TypeVar("N", int, float)
+
+
+def _positive(key: str, value: N) -> N:
+    """``value`` of setting ``key``, refused unless above 0."""
     if value <= 0:
         raise RechunkInputError(f"rechunk-p2p.{key} is {config.get(key)!r}; it must be > 0")
     return value

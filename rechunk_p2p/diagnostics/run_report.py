@@ -102,7 +102,7 @@ def report(client: Any = None) -> RunReport:
 
     client = client or distributed.get_client()
     if getattr(client, "asynchronous", False):
-        return _report_async(client)  # type: ignore[return-value]  (awaited by the caller)
+        return _report_async(client)  # type: ignore[return-value]  # (awaited by the caller)
     return _report_of(client.run(_recent_runs))
 
 

@@ -53,7 +53,7 @@ def make_run(
     known = not spec.unknown_axes  # outputs can be filled as their pieces come
     name = f"{run_spec.shuffle_id}-run{run_spec.run_id}"
     store = make_store(
-        storage,  # type: ignore[arg-type]  (a kind resolve_storage chose)
+        storage,  # type: ignore[arg-type]  # (a kind resolve_storage chose)
         dtype=spec.dtype,
         directory=directory,
         name=name,
