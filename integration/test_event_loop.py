@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from distributed import Client
 
-from integration.foreign_load import measured_again
+from integration.foreign_load import ATTEMPTS, measured_again
 from integration.lag_bounds import LagBounds, strict_from_env, violations, widened
 from integration.workloads import (
     Workload,
@@ -61,7 +61,7 @@ def _workers_hold_nothing(client: Client) -> dict[str, int]:
     return client.run(held)
 
 
-@pytest.mark.timeout(int(TIMEOUT_S + 120))
+@pytest.mark.timeout(int(ATTEMPTS * TIMEOUT_S + 120))  # (a window each attempt)
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_loop_stays_responsive(client: Client, name: str) -> None:
     w: Workload = WORKLOADS[name]
@@ -88,7 +88,7 @@ def test_loop_stays_responsive(client: Client, name: str) -> None:
     assert not any(_workers_hold_nothing(client).values())
 
 
-@pytest.mark.timeout(int(TIMEOUT_S + 120))
+@pytest.mark.timeout(int(ATTEMPTS * TIMEOUT_S + 120))  # (a window each attempt)
 @pytest.mark.parametrize("origin", ["held", "derived"])
 def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) -> None:
     """Held and derived inputs of many thin chunks: 1,024 one-row chunks already in worker
@@ -106,7 +106,7 @@ def test_loop_stays_responsive_on_held_thin_rows(client: Client, origin: str) ->
     assert not any(_workers_hold_nothing(client).values())
 
 
-@pytest.mark.timeout(int(TIMEOUT_S + 120))
+@pytest.mark.timeout(int(ATTEMPTS * TIMEOUT_S + 120))  # (a window each attempt)
 def test_loop_stays_responsive_with_the_dashboard_page_open(client: Client) -> None:
     """The held thin rows above with the engine's dashboard page open (a Bokeh session of
     /rechunk-p2p refreshing every 500 ms on the scheduler): the same bounds hold, and the
