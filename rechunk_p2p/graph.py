@@ -411,6 +411,12 @@ class RechunkLayer(Layer):
         boxed = self._box(chunks, grid) if len(chunks) > 1 else None
         if boxed is not None:  # the inputs made and joined, an elementwise step applied once
             made, grid = [boxed], (1,) * len(grid)
+        elif (
+            self.sources is not None
+            and len(chunks) > 1
+            and (read := self.sources.box_read(chunks, grid))
+        ):  # one read of the whole group (any elementwise steps applied once), known
+            made, grid = [read], (1,) * len(grid)  # without making each chunk's task
         else:
             made = [self._chunk_node(chunk) for chunk in chunks]
             if len(made) == 1 and key is None:

@@ -10,6 +10,7 @@ import zarr
 
 import rechunk_p2p
 from rechunk_p2p.sources import MAX_SHARED_KEYS, find_sources
+from rechunk_p2p.zarr_reads import read_box_blocking
 
 
 def _generated() -> da.Array:
@@ -130,12 +131,13 @@ def test_a_joined_rechunk_reads_no_chunk_of_its_input():
 
 
 def _getters(node) -> int:
-    """How many ``getter`` calls a task holds, nested ones included."""
+    """How many reads of an array object (dask's ``getter``, or the engine's read of a box)
+    a task holds, nested ones included."""
     from dask._task_spec import Task
 
     if not isinstance(node, Task):
         return 0
-    own = node.func is da.core.getter
+    own = node.func in (da.core.getter, read_box_blocking)
     return own + sum(_getters(a) for a in (*node.args, *node.kwargs.values()))
 
 
@@ -164,6 +166,7 @@ def test_slices_that_do_not_tile_a_box_are_read_one_by_one():
     rows = [get(slice(0, 2), slice(0, 5)), get(slice(2, 4), slice(0, 5))]
     one = read_together(rows, (2, 1))
     assert one is not None and one.args[1].value == (slice(0, 4), slice(0, 5))
+    assert one.func is read_box_blocking
     gap = [get(slice(0, 2), slice(0, 5)), get(slice(3, 4), slice(0, 5))]
     other = [
         rows[0],
@@ -214,13 +217,38 @@ def test_a_chain_of_elementwise_steps_on_a_store_reads_each_group_once(tmp_path,
     transfers = _transfers(y)
     plan = rechunk_p2p.plan(x, (64, 2, 3), n_workers=2)
     assert len(transfers) == plan.n_transfers < plan.n_input_chunks
-    assert [_calls(t, da.core.getter) for t in transfers] == [1] * len(transfers)
+    assert [_calls(t, read_box_blocking) for t in transfers] == [1] * len(transfers)
     # the chain of one chunk, once a transfer (not once a chunk of its group)
     chain = _calls(find_sources(x).task((x.name, 0, 0, 0)), _execute_subgraph)
     assert [_calls(t, _execute_subgraph) for t in transfers] == [chain] * len(transfers)
     got = y.compute(scheduler="sync")
     assert got.dtype == x.dtype
     np.testing.assert_array_equal(got, x.rechunk((64, 2, 3)).compute(scheduler="sync"))
+
+
+@pytest.mark.parametrize("step", ["none", *STEPS])
+def test_a_store_read_is_joined_without_making_a_task_a_chunk(tmp_path, monkeypatch, step):
+    """The box a transfer reads from ``from_zarr`` (any elementwise chain) is known from the
+    layer's slices: no input chunk's task is made one by one, and the values are dask's
+    own."""
+    from rechunk_p2p.sources import InputSources
+
+    z = zarr.open_array(tmp_path / "s.zarr", mode="w", shape=(64, 8, 6), chunks=(1, 4, 6))
+    z[:] = np.arange(z.size, dtype="f8").reshape(z.shape)
+    source = STEPS.get(step, lambda a: a)(da.from_zarr(z))
+    want = source.rechunk((64, 2, 3)).compute(scheduler="sync")
+
+    def one_by_one(self, key):
+        raise AssertionError(f"chunk {key} made one by one")
+
+    monkeypatch.setattr(InputSources, "task", one_by_one)
+    y = rechunk_p2p.rechunk(source, (64, 2, 3))
+    transfers = _transfers(y)
+    assert 1 < len(transfers) < source.npartitions
+    assert [_calls(t, read_box_blocking) for t in transfers] == [1] * len(transfers)
+    got = y.compute(scheduler="sync")
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("step", STEPS)
