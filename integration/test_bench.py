@@ -257,15 +257,39 @@ def test_many_workers_reports_a_failed_implementation() -> None:
     assert "nan" in many_workers.format_points(points)  # (no figures for the failed one)
 
 
-def test_steps_before_the_rechunk_command_small(capsys: pytest.CaptureFixture[str]) -> None:
-    """``integration.bench_steps``: every step, both implementations, a wall each, ratios."""
-    from integration import bench_steps
+def test_era5_command_small(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """``integration.bench_era5``: each step, both implementations, each with wall, first
+    task and peaks; the ratios after; the store kept where asked (a fresh cluster a run:
+    one origin here)."""
+    from integration import bench_era5
 
-    bench_steps.main(["--hours", "256", "--repeat", "1"])
+    argv = ["--hours", "96", "--repeat", "1", "--steps", "none,astype(float32)"]
+    bench_era5.main([*argv, "--origins", "zarr", "--store-dir", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "| origin | step | rechunk_p2p | dask p2p | vs dask p2p | vs no step |"
-    rows = lines[2:]
-    assert [tuple(r.split(" | ")[:2]) for r in rows] == [
-        (f"| {o}", f"`{s}`") for o in bench_steps.ORIGINS for s in bench_steps.STEPS
+    assert lines[0].startswith("| hours | origin | step | implementation | wall s | first task s")
+    rows = [line for line in lines[2:] if line.startswith("| ")]
+    assert [tuple(r.split(" | ")[1:4]) for r in rows] == [
+        ("zarr", f"`{s}`", i)
+        for s in ("none", "astype(float32)")
+        for i in ("rechunk_p2p", "dask p2p")
     ]
-    assert all(r.count(" s (") == 2 and r.rstrip(" |").endswith("x") for r in rows), rows
+    for row in rows:
+        wall, first, client, worker = row.split(" | ")[4:8]
+        assert float(first.split()[0]) < float(wall.split()[0]), row
+        assert float(client.split()[0]) > 50 and float(worker.split()[0]) > 50, row
+    assert sum("vs dask p2p: " in line and line.endswith("x") for line in lines) == 2
+    assert rows[2].split(" | ")[8].endswith("x")  # (the step's wall over the plain read's)
+    assert (tmp_path / "era5-96h.zarr" / "zarr.json").exists()
+
+
+def test_era5_command_refuses_bad_arguments() -> None:
+    from integration import bench_era5
+
+    for argv, says in [
+        (["--hours", "0"], "positive"),
+        (["--hours", "1.5"], "whole numbers"),
+        (["--origins", "held"], "unknown origins"),
+        (["--steps", ""], "unknown steps"),
+    ]:
+        with pytest.raises(SystemExit, match=says):
+            bench_era5.main(argv)
