@@ -93,9 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--origins",
-        default="made,held",
-        help=f"comma list of {list(ORIGINS)}: input made inside the rechunk, held in worker "
-        "memory before the clock starts, or derived from held chunks by a reduction",
+        default="made,made+map,held",
+        help=f"comma list of {list(ORIGINS)}: input made inside the rechunk (as it is, or "
+        "then scaled and offset), held in worker memory before the clock starts, or derived "
+        "from held chunks by a reduction",
     )
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="comma list, in run order")
     p.add_argument("--interval", default="5ms", help="loop-lag probe interval")

@@ -14,11 +14,15 @@ from integration import bench
 
 def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--size", "8MiB", "--repeat", "1", "--workloads", "2d", "--out", str(tmp_path)]
-    assert bench.main(argv) == 0  # (origins made and held, the default)
+    assert bench.main(argv) == 0  # (origins made, made+map and held, the default)
     doc = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["impl"] for r in doc["runs"]] == ["rechunk_p2p", "dask-p2p", "dask-tasks"] * 2
-    assert [r["origin"] for r in doc["runs"]] == ["made"] * 3 + ["held"] * 3
-    assert [r["workload"] for r in doc["runs"][::3]] == ["2d-rows-to-cols", "2d-rows-to-cols/held"]
+    assert [r["impl"] for r in doc["runs"]] == ["rechunk_p2p", "dask-p2p", "dask-tasks"] * 3
+    assert [r["origin"] for r in doc["runs"]] == ["made"] * 3 + ["made+map"] * 3 + ["held"] * 3
+    assert [r["workload"] for r in doc["runs"][::3]] == [
+        "2d-rows-to-cols",
+        "2d-rows-to-cols/made+map",
+        "2d-rows-to-cols/held",
+    ]
     assert all(r["ok"] for r in doc["runs"]), [r.get("error") for r in doc["runs"]]
     for r in doc["runs"]:
         assert r["wall_s"] > 0
@@ -31,11 +35,12 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         {a: d for a, d in r["lag"]["distributed"].items() if d["server_type"] != "Scheduler"}
         for r in doc["runs"]
     ]
-    assert len({frozenset(w) for w in workers}) == 6, workers  # a fresh cluster per run
+    assert len({frozenset(w) for w in workers}) == 9, workers  # a fresh cluster per run
     # distributed's "unresponsive" threshold on the workers is the benchmark's 200 ms
     assert {d["tick_limit_s"] for w in workers for d in w.values()} == {0.2}
     assert min(doc["meta"]["reference"].values()) > 0  # the machine's bandwidths
     assert doc["meta"]["data_only_s"]["2d-rows-to-cols"] > 0
+    assert doc["meta"]["data_only_s"]["2d-rows-to-cols/made+map"] > 0
     assert doc["meta"]["data_only_s"]["2d-rows-to-cols/held"] == 0  # held before the clock
     engine = doc["runs"][0]["phases_s"]
     assert engine["cut"] > 0 and engine["assemble"] > 0, engine

@@ -11,6 +11,7 @@ from integration.workloads import (
     all_workloads,
     checked,
     expected_block,
+    input_array,
     many_small,
     rows_to_columns,
     rows_to_columns_8mib,
@@ -37,6 +38,22 @@ def test_check_accepts_a_correct_rechunk_and_rejects_wrong_ones() -> None:
     swapped = x[[1, 0, *range(2, w.shape[0])]].rechunk(w.target_chunks, method="tasks")
     assert not checked(swapped, w).compute()
     assert not checked(x.astype("float64").rechunk(w.target_chunks, method="tasks"), w).compute()
+
+
+@pytest.mark.parametrize("impl", ["rechunk_p2p", "dask-tasks"])
+def test_a_made_then_mapped_input_is_checked_against_mapped_values(impl: str) -> None:
+    """A ``made+map`` input's rechunk holds the step's values, bit for bit, through either
+    implementation; the plain values, or the step applied twice, fail its check."""
+    from dataclasses import replace
+
+    w = replace(time_to_space(2 * 2**20), origin="made+map")
+    x = input_array(w)
+    assert x.dtype == np.float32 and float(x[1, 0, 0].compute()) != float(source_array(w)[1, 0, 0])
+    y, ok = workload_graph(impl, w, x)
+    assert ok.compute()
+    assert not checked(source_array(w).rechunk(w.target_chunks, method="tasks"), w).compute()
+    assert not checked(y * 0.01 + 273.15, w).compute()
+    assert w.label == f"{w.name}/made+map"
 
 
 def test_values_are_distinct_and_exact() -> None:

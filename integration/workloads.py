@@ -49,9 +49,11 @@ class Workload:
         Bound on the worst loop lag asserted for ``rechunk_p2p``.
     origin
         How the input is had (:data:`ORIGINS`): ``"made"`` inside the rechunk's own tasks
-        (generated on the workers), ``"held"`` in worker memory before the clock starts (as
-        after ``persist``), or ``"derived"`` from held chunks by a reduction over all of
-        them (as anomalies are).
+        (generated on the workers), ``"made+map"`` made and then through an elementwise
+        step (:func:`mapped`, a scale and offset as CF decoding or a unit change applies),
+        ``"held"`` in worker memory before the clock starts (as after ``persist``), or
+        ``"derived"`` from held chunks by a reduction over all of them (as anomalies
+        are).
     """
 
     name: str
@@ -65,7 +67,8 @@ class Workload:
 
     @property
     def label(self) -> str:
-        """The name, and the origin where the input is not made inside the rechunk."""
+        """The name, and the origin where the input is not made inside the rechunk as it
+        is."""
         return self.name if self.origin == "made" else f"{self.name}/{self.origin}"
 
     @property
@@ -98,7 +101,7 @@ class Workload:
 # -- sizes --------------------------------------------------------------------------------
 
 #: How a workload's input is had (see :class:`Workload`).
-ORIGINS = ("made", "held", "derived")
+ORIGINS = ("made", "made+map", "held", "derived")
 
 #: Default bytes per workload (about two minutes for the suite on two busy cores).
 DEFAULT_BYTES = {
@@ -245,12 +248,25 @@ def fill_block_blocking(
     return expected_block(shape, block_info[None]["array-location"], dtype)
 
 
+def mapped(x: Any) -> Any:
+    """The step a ``"made+map"`` input goes through after it is made (a dask array, or a
+    block of it when checked: the same operations in the same order give the same bits)."""
+    return x * 0.01 + 273.15
+
+
 def check_block_blocking(
-    block: np.ndarray, shape: tuple[int, ...], dtype: str, block_info: dict | None = None
+    block: np.ndarray,
+    shape: tuple[int, ...],
+    dtype: str,
+    origin: str = "made",
+    block_info: dict | None = None,
 ) -> np.ndarray:
-    """Task body: ``True`` (as a 1-element block) if ``block`` holds exactly its values."""
+    """Task body: ``True`` (as a 1-element block) if ``block`` holds exactly its values
+    (those of an input of ``origin``)."""
     info = block_info[0]
     want = expected_block(shape, info["array-location"], dtype)
+    if origin == "made+map":
+        want = mapped(want)
     ok = block.dtype == want.dtype and block.shape == want.shape and np.array_equal(block, want)
     return np.full((1,) * block.ndim, ok)
 
@@ -277,6 +293,8 @@ def input_array(w: Workload, client: Any = None) -> da.Array:
     x = source_array(w)
     if w.origin == "made":
         return x
+    if w.origin == "made+map":
+        return mapped(x)
     if client is None:
         raise ValueError(f"a {w.origin!r} input needs a client to hold it")
     x = client.persist(x)
@@ -295,7 +313,9 @@ def shared_reduction(x: da.Array) -> da.Array:
 
 def checked(y: da.Array, w: Workload) -> da.Array:
     """A 0-d boolean array: every output chunk of ``y`` holds exactly the right values."""
-    flags = y.map_blocks(check_block_blocking, w.shape, w.dtype, dtype=bool, chunks=(1,) * y.ndim)
+    flags = y.map_blocks(
+        check_block_blocking, w.shape, w.dtype, w.origin, dtype=bool, chunks=(1,) * y.ndim
+    )
     return flags.all()
 
 
