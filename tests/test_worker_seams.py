@@ -446,11 +446,17 @@ async def test_an_owner_leaving_before_the_barrier_is_forgotten_and_only_its_pie
     with fast_retries(1), dask.config.set({"rechunk-p2p.comm.message-bytes-limit": 1}):
         async with seam(workers=THREE_WORKERS, columns=SIX) as (scheduler, network, plugins):
             network.fail = c_is_gone
-            a, b, _ = plugins
+            a, b, c = plugins
+            # the transfers finish before the sends to c fail (deliveries wait meanwhile:
+            # else a slow transfer meets its buffer failed and raises)
+            network.hold = asyncio.Event()
             assert await transfer_all(plugins) == [1] * ROWS  # c cuts inputs 2, 5
-            # a's and b's sends to c fail for good before they hear c is gone
+            network.hold.set()
+            # a's and b's sends to c fail for good before they hear c is gone; c delivered
+            # its own pieces to them before it went
             while any(p.runs[SHUFFLE]._comm.phase.value != "failed" for p in (a, b)):
                 await asyncio.sleep(0.01)
+            await c.runs[SHUFFLE]._comm.flush()
             survivors = await leave(scheduler, network, plugins, "c")
             # the scheduler: inputs c cut may have lost pieces: they are sent again in full;
             # the others only for c's outputs, which moved

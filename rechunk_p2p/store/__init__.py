@@ -43,8 +43,8 @@ def make_store(
     partial: Partial | None = None,
     in_memory: np.ndarray | None = None,
     io_pool: OffloadPool | None = None,
-) -> PieceStore | AssemblingMemoryStore | SplitStore:
-    """Create an empty piece store.
+) -> PieceStore:
+    """Create an empty piece store (every kind does what :class:`PieceStore` says).
 
     Parameters
     ----------

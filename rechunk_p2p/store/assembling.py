@@ -24,6 +24,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from rechunk_p2p.planning import Partial
 from rechunk_p2p.store.base import (
     OWN_PAGES_BYTES,
     Piece,
+    StoreKind,
     StoreStatistics,
     check_array,
     check_piece,
@@ -42,6 +44,9 @@ from rechunk_p2p.store.base import (
 from rechunk_p2p.store.ledger import PieceLedger, ascends
 from rechunk_p2p.store.placing import FEW_PIECES, copy_inputs_blocking, copy_pieces_blocking
 from rechunk_p2p.transport.wire import Packed, unpack_blocking, unpack_blocks
+
+if TYPE_CHECKING:
+    from rechunk_p2p.spec import ShuffleSpec
 
 #: Outputs first reached by one batch share slabs when its pieces are at most this large:
 #: below it, a Python step per piece costs about as much as its copy or more (one strided
@@ -72,8 +77,9 @@ class AssemblingMemoryStore:
         The sub-shuffle: output shapes and where each input's piece lies in each output.
     """
 
-    kind = "memory"
+    kind: StoreKind = "memory"
     copies_pieces = True  # (pieces are copied into their outputs)
+    fills_outputs = True
 
     def __init__(self, dtype: np.dtype, name: str, partial: Partial) -> None:
         self.dtype = np.dtype(dtype)
@@ -439,6 +445,19 @@ class AssemblingMemoryStore:
             missing = [] if complete else self._missing_locked(output, expected)
             self._taken[output] = True
         return array, missing
+
+    def assemble_blocking(self, spec: ShuffleSpec, output: int) -> tuple[np.ndarray, list[int]]:
+        """See :meth:`rechunk_p2p.store.base.PieceStore.assemble_blocking`: the output as
+        its pieces filled it (an empty one where none came)."""
+        out, missing = self.take_output_blocking(output)
+        if out is None:
+            out = empty_output(self._partial.output_shape(output), self.dtype)
+        return out, missing
+
+    def spill_blocking(self) -> int:
+        """Nothing moves here: the run's memory share makes it a split store first, which
+        spills (:meth:`rechunk_p2p.worker.memory_shares.RunMemory.spillable`)."""
+        return 0
 
     def _let_go_locked(self, output: int) -> np.ndarray:
         """Output ``output``'s array, which the store no longer holds (its slab goes with

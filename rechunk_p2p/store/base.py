@@ -6,9 +6,11 @@ In a P2P rechunk every input chunk is cut into pieces, each belonging to one out
 The receiving worker writes pieces into a :class:`PieceStore` from several threads at once
 (the offload pool for pieces that arrived over the network, task threads for pieces that
 stay on the local worker) and later reads each output chunk's pieces back to assemble it.
-Two implementations exist: :class:`~rechunk_p2p.store.memory.MemoryPieceStore` keeps the
-arrays, :class:`~rechunk_p2p.store.disk.DiskPieceStore` spills them to local disk. Both
-are thread-safe; every method is blocking.
+Four implementations exist: :class:`~rechunk_p2p.store.assembling.AssemblingMemoryStore`
+copies each piece into its output as it comes, :class:`~rechunk_p2p.store.memory.MemoryPieceStore`
+keeps the arrays, :class:`~rechunk_p2p.store.disk.DiskPieceStore` spills them to local disk,
+and :class:`~rechunk_p2p.store.split.SplitStore` assembles some outputs in memory and spills
+the others. All are thread-safe; every method is blocking.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rechunk_p2p.store.pages import OUTPUT_PAGES
 from rechunk_p2p.transport.wire import Piece
 
 if TYPE_CHECKING:
+    from rechunk_p2p.spec import ShuffleSpec
     from rechunk_p2p.transport.wire import Packed
 
 __all__ = ["Piece"]  # (defined with the wire format, which stores and senders share)
@@ -37,16 +40,25 @@ STORE_KINDS: tuple[StoreKind, ...] = ("disk", "memory", "memory+disk")
 
 @runtime_checkable
 class PieceStore(Protocol):
-    """The interface shared by :class:`MemoryPieceStore` and :class:`DiskPieceStore`.
+    """Where a run's pieces wait for their outputs: what every store does, the run's only
+    view of it. Every method is blocking and safe to call from several threads at once.
 
-    Every method is blocking and safe to call from several threads at once.
-
-    ``copies_pieces`` says whether a write returns with every piece copied into memory or
-    files of the store's own, so that nothing refers to the arrays or payloads written any
-    more (a receiver then reads its next message into the same buffer).
+    Attributes
+    ----------
+    kind
+        What the store is (:data:`STORE_KINDS`).
+    copies_pieces
+        Whether a write returns with every piece copied into memory or files of the
+        store's own, so that nothing refers to the arrays or payloads written any more (a
+        receiver then reads its next message into the same buffer).
+    fills_outputs
+        Whether the store copies every piece into its output as it comes, and so keeps no
+        view of a piece (the cutter may then hand it views of buffers it uses again).
     """
 
+    kind: StoreKind
     copies_pieces: bool
+    fills_outputs: bool
 
     def write_blocking(self, pieces: Iterable[Piece]) -> int:
         """Store pieces; return the payload bytes accepted.
@@ -70,6 +82,48 @@ class PieceStore(Protocol):
         """:meth:`write_blocking` for batches of pieces as they came off the wire (or were
         packed for it), without unpacking them where the store can help it."""
         ...
+
+    def assemble_blocking(self, spec: ShuffleSpec, output: int) -> tuple[np.ndarray, list[int]]:
+        """Take output chunk ``output`` of the sub-shuffle ``spec``: the array, built from
+        its pieces (which the store then forgets), and the inputs whose pieces it lacks,
+        sorted (the caller decides what a missing piece means).
+
+        Raises
+        ------
+        RechunkRunError
+            The store is closed, or a piece came from an input that has none of it.
+        RechunkStorageError
+            Reading the spilled data failed.
+        """
+        ...
+
+    def spill_blocking(self) -> int:
+        """Move the pieces the store holds in memory to local disk, and spill what comes
+        from now on, where the store can (the worker is short of memory); the bytes moved
+        (0 where it holds none it can move). The caller keeps the store's other users out
+        meanwhile."""
+        ...
+
+    def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
+        """Forget that ``outputs`` (read already) got their pieces: pieces of them sent anew
+        are stored as new ones, and they are assembled again from those."""
+        ...
+
+    def close_blocking(self) -> None:
+        """Free everything and remove every file and directory the store created.
+
+        Idempotent. Waits for writes and reads in flight in other threads to finish.
+        """
+        ...
+
+    def statistics(self) -> StoreStatistics:
+        """Return a snapshot of the store's counters."""
+        ...
+
+
+class KeptPieces(Protocol):
+    """What a store that keeps pieces as they came (memory, disk) gives back of an output,
+    for :func:`~rechunk_p2p.store.reading.read_output_blocking` to assemble it."""
 
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Return the ``(input index, array)`` pairs of one output, sorted by input index.
@@ -99,22 +153,6 @@ class PieceStore(Protocol):
         """Fill C-contiguous ``out`` with the pieces of ``output`` one after another, in the
         order of the inputs ``order`` (:meth:`rechunk_p2p.planning.Partial.stacked_inputs`),
         and discard them. Returns the inputs placed, stopping at the first one missing."""
-        ...
-
-    def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
-        """Forget that ``outputs`` (read already) got their pieces: pieces of them sent anew
-        are stored as new ones, and they are assembled again from those."""
-        ...
-
-    def close_blocking(self) -> None:
-        """Free everything and remove every file and directory the store created.
-
-        Idempotent. Waits for writes and reads in flight in other threads to finish.
-        """
-        ...
-
-    def statistics(self) -> StoreStatistics:
-        """Return a snapshot of the store's counters."""
         ...
 
 

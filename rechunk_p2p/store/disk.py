@@ -30,6 +30,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from rechunk_p2p.errors import RechunkStorageError
 from rechunk_p2p.offload import OffloadPool
 from rechunk_p2p.store.base import (
     Piece,
+    StoreKind,
     StoreStatistics,
     check_piece,
     closed_error,
@@ -61,6 +63,7 @@ from rechunk_p2p.store.files import (
     safe_name,
 )
 from rechunk_p2p.store.ledger import PieceLedger, pair_keys
+from rechunk_p2p.store.reading import read_output_blocking
 from rechunk_p2p.transport.wire import (
     Packed,
     in_order,
@@ -68,6 +71,9 @@ from rechunk_p2p.transport.wire import (
     packed_sizes,
     unpack_blocking,
 )
+
+if TYPE_CHECKING:
+    from rechunk_p2p.spec import ShuffleSpec
 
 DATA_FILE = "pieces.bin"
 
@@ -124,8 +130,9 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         use and shut down at close).
     """
 
-    kind = "disk"
+    kind: StoreKind = "disk"
     copies_pieces = False  # (batches wait in the write buffer as given)
+    fills_outputs = False
 
     def __init__(
         self,
@@ -433,6 +440,15 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
             raise self._storage_error(exc, "remove the spilled pieces", advice) from exc
         finally:
             self._close_done.set()
+
+    def assemble_blocking(self, spec: ShuffleSpec, output: int) -> tuple[np.ndarray, list[int]]:
+        """See :meth:`rechunk_p2p.store.base.PieceStore.assemble_blocking` (its pieces
+        read back into a new array)."""
+        return read_output_blocking(self, spec, output)
+
+    def spill_blocking(self) -> int:
+        """Nothing to move: every piece is on disk (or in the write buffer, bounded)."""
+        return 0
 
     def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
         """Forget that ``outputs`` (read already) got their pieces: they are assembled

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.store.base import (
     SMALL_COPY_BYTES,
     Piece,
+    StoreKind,
     StoreStatistics,
     check_piece,
     closed_error,
@@ -22,7 +24,11 @@ from rechunk_p2p.store.base import (
     place_blocking,
 )
 from rechunk_p2p.store.ledger import PieceLedger
+from rechunk_p2p.store.reading import read_output_blocking
 from rechunk_p2p.transport.wire import Packed, unpack_blocking
+
+if TYPE_CHECKING:
+    from rechunk_p2p.spec import ShuffleSpec
 
 
 class MemoryPieceStore:
@@ -40,8 +46,9 @@ class MemoryPieceStore:
         Names the store in error messages.
     """
 
-    kind = "memory"
+    kind: StoreKind = "memory"
     copies_pieces = False  # (pieces are kept as given: views of their payload)
+    fills_outputs = False
 
     def __init__(self, dtype: np.dtype, name: str) -> None:
         self.dtype = np.dtype(dtype)
@@ -53,6 +60,15 @@ class MemoryPieceStore:
 
     def __repr__(self) -> str:
         return f"<MemoryPieceStore {self.name!r} dtype={self.dtype}>"
+
+    def assemble_blocking(self, spec: ShuffleSpec, output: int) -> tuple[np.ndarray, list[int]]:
+        """See :meth:`rechunk_p2p.store.base.PieceStore.assemble_blocking` (its pieces
+        placed into a new array)."""
+        return read_output_blocking(self, spec, output)
+
+    def spill_blocking(self) -> int:
+        """Nothing moves: outputs of unknown shape or of objects stay with their pieces."""
+        return 0
 
     def write_blocking(self, pieces: Iterable[Piece]) -> int:
         """Store pieces, dropping ``(output, input)`` pairs already stored.

@@ -12,13 +12,17 @@ when the store is made, so every read and write goes to one of them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rechunk_p2p.store.assembling import AssemblingMemoryStore
-from rechunk_p2p.store.base import Piece, StoreStatistics, check_piece
+from rechunk_p2p.store.base import Piece, StoreKind, StoreStatistics, check_piece
 from rechunk_p2p.store.disk import DiskPieceStore
 from rechunk_p2p.transport.wire import Packed, split_packed_blocking
+
+if TYPE_CHECKING:
+    from rechunk_p2p.spec import ShuffleSpec
 
 #: Pieces moved from memory to disk are written in batches of about this many bytes
 #: (:meth:`SplitStore.spill_blocking`): the views of a batch keep their outputs' memory
@@ -43,8 +47,9 @@ class SplitStore:
         (outputs past its end are spilled).
     """
 
-    kind = "memory+disk"
+    kind: StoreKind = "memory+disk"
     copies_pieces = False  # (its disk part keeps batches as given)
+    fills_outputs = False  # (nor does its disk part)
 
     def __init__(
         self, memory: AssemblingMemoryStore, disk: DiskPieceStore, in_memory: np.ndarray
@@ -129,6 +134,13 @@ class SplitStore:
         return accepted
 
     # -- reading -----------------------------------------------------------------------
+
+    def assemble_blocking(self, spec: ShuffleSpec, output: int) -> tuple[np.ndarray, list[int]]:
+        """An output from the part that holds it (filled as its pieces came, or read back
+        from disk)."""
+        if self.holds_in_memory(output):
+            return self.memory.assemble_blocking(spec, output)
+        return self.disk.assemble_blocking(spec, output)
 
     def take_output_blocking(self, output: int) -> tuple[np.ndarray | None, list[int]]:
         """An output held in memory, as :meth:`AssemblingMemoryStore.take_output_blocking`."""

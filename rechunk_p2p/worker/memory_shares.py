@@ -27,9 +27,6 @@ from rechunk_p2p.store.assembling import AssemblingMemoryStore
 from rechunk_p2p.store.disk import DiskPieceStore
 from rechunk_p2p.store.split import SplitStore
 
-#: What a run's store may be
-AnyStore = PieceStore | AssemblingMemoryStore | SplitStore
-
 
 class MemoryShares:
     """**Loop-confined** (the worker's loop). The bytes of pieces that the open runs of one
@@ -104,7 +101,9 @@ class RunMemory:
         """The run closed."""
         self._shares.release(self)
 
-    def take_moved(self, store: AnyStore, run_spec: RunSpec, outputs: Sequence[int]) -> AnyStore:
+    def take_moved(
+        self, store: PieceStore, run_spec: RunSpec, outputs: Sequence[int]
+    ) -> PieceStore:
         """The store in which ``outputs``, moved to this worker by the continuation
         ``run_spec``, wait for their pieces: ``store`` itself where they fit what the budget
         has left (or ``store`` keeps nothing in memory), else ``store`` split so that the
@@ -125,7 +124,7 @@ class RunMemory:
         store.place(kept, in_memory=True)
         return store
 
-    def spillable(self, store: AnyStore, run_spec: RunSpec) -> AnyStore:
+    def spillable(self, store: PieceStore, run_spec: RunSpec) -> PieceStore:
         """``store`` as a store whose outputs can go to disk, output by output: an
         assembling memory store becomes a split store with every output in memory, any
         other store stays as it is. Touches no reservation (callable from any thread, under

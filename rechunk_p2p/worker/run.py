@@ -24,14 +24,11 @@ from rechunk_p2p.cutting.scratch import CutBuffers
 from rechunk_p2p.errors import OutputConsumedError, RechunkRunError, StaleRunError
 from rechunk_p2p.offload import OffloadPool, on_loop
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId
-from rechunk_p2p.store.assembling import AssemblingMemoryStore
-from rechunk_p2p.store.base import empty_output
-from rechunk_p2p.store.split import SplitStore
+from rechunk_p2p.store.base import PieceStore, StoreKind
 from rechunk_p2p.transport.comm import CommBuffer, CommStatistics
 from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed, output_array
-from rechunk_p2p.worker.memory_shares import AnyStore, RunMemory
-from rechunk_p2p.worker.reading import read_output_blocking
+from rechunk_p2p.worker.memory_shares import RunMemory
 from rechunk_p2p.worker.store_gate import StoreGate
 
 logger = logging.getLogger(__name__)
@@ -96,7 +93,7 @@ class RunStatistics:
     shuffle_id: ShuffleId
     run_id: RunId
     phase: str
-    storage: str
+    storage: StoreKind
     inputs: int
     outputs: int
     bytes_local: int
@@ -120,11 +117,9 @@ class WorkerRun:
     worker_address
         This worker.
     store
-        Where pieces for this worker's outputs wait until assembly (an
-        :class:`AssemblingMemoryStore` assembles them as they come; a :class:`SplitStore`
-        does so for some outputs and spills the others).
-    storage
-        The store's kind, for diagnostics.
+        Where pieces for this worker's outputs wait until assembly (any kind: the run
+        uses what :class:`~rechunk_p2p.store.base.PieceStore` says, and its kind names
+        the storage in diagnostics).
     dataplane
         The worker's data plane (send and receive happen on its loop).
     offload
@@ -147,8 +142,7 @@ class WorkerRun:
         self,
         run_spec: RunSpec,
         worker_address: str,
-        store: AnyStore,
-        storage: str,
+        store: PieceStore,
         dataplane: DataPlane,
         offload: OffloadPool,
         comm: CommBuffer,
@@ -184,17 +178,15 @@ class WorkerRun:
         # ones stay within the worker's send buffer (comm.buffer-bytes-limit)
         self._gate = StoreGate()  # (the store's users, and a spill: spill_blocking)
         self._cuts = CutBuffers(max_free=recent_outputs + 1, max_free_bytes=dataplane.limiter.limit)
-        self._use_store(store, storage)
+        self._use_store(store)
 
-    def _use_store(self, store: AnyStore, storage: str) -> None:
+    def _use_store(self, store: PieceStore) -> None:
         """Keep pieces in ``store`` from now on (at the start, or when a continuation split
         the store: the outputs it moved here spill). The cutter follows what the store keeps
         of this worker's own pieces."""
         self._store = store
-        self.storage = storage
-        # the store copies pieces into their outputs as they come (it keeps no views)
-        self._assembles = isinstance(store, AssemblingMemoryStore)
-        self._cutter = InputCutter(self.worker_address, storage, self._assembles)
+        self.storage: StoreKind = store.kind
+        self._cutter = InputCutter(self.worker_address, store.kind, store.fills_outputs)
 
     def __repr__(self) -> str:
         phase = self.phase.value
@@ -343,15 +335,7 @@ class WorkerRun:
         spec = self.run_spec.spec
         partial = spec.partial
         with self._gate.shared():
-            store = self._store
-            if isinstance(store, AssemblingMemoryStore) or (
-                isinstance(store, SplitStore) and store.holds_in_memory(flat)
-            ):  # filled as its pieces came
-                out, missing = store.take_output_blocking(flat)
-                if out is None:
-                    out = empty_output(partial.output_shape(flat), spec.dtype)
-            else:
-                out, missing = read_output_blocking(store, spec, flat)
+            out, missing = self._store.assemble_blocking(spec, flat)
         if missing:
             raise RechunkRunError(
                 f"Output chunk {partial.output_index(flat)} of rechunk {self.shuffle_id} "
@@ -411,7 +395,7 @@ class WorkerRun:
         ]
         store = self._memory.take_moved(self._store, run_spec, mine)
         if store is not self._store:
-            self._use_store(store, store.kind)
+            self._use_store(store)
 
     def spill_blocking(self) -> int:
         """Move the pieces this run holds in memory to disk, and spill every piece that
@@ -426,9 +410,7 @@ class WorkerRun:
                     return 0
                 store = self._memory.spillable(self._store, self.run_spec)
                 if store is not self._store:
-                    self._use_store(store, store.kind)
-            if not isinstance(store, SplitStore):
-                return 0
+                    self._use_store(store)
             try:
                 return store.spill_blocking()
             except RechunkRunError:

@@ -47,13 +47,12 @@ def make_run(
     budget = settings.memory_budget(limit)
     disk_buffer = settings.disk_buffer_bytes(limit)
     choice = resolve_storage(run_spec, address, shares.available(budget))
-    storage = choice.kind
     directory = os.path.join(worker.local_directory, ENGINE_DIRECTORY)
     spec, partial = run_spec.spec, run_spec.spec.partial
     known = not spec.unknown_axes  # outputs can be filled as their pieces come
     name = f"{run_spec.shuffle_id}-run{run_spec.run_id}"
     store = make_store(
-        storage,  # type: ignore[arg-type]  # (a kind resolve_storage chose)
+        choice.kind,
         dtype=spec.dtype,
         directory=directory,
         name=name,
@@ -103,14 +102,13 @@ def make_run(
         GIL_SWITCH_INTERVAL if tuned else None,
         tuned,
         # not on disk, chosen to hold least: a heap keeps what it held at its fullest
-        tuned and storage in ("memory", "memory+disk"),
+        tuned and choice.kind in ("memory", "memory+disk"),
         tuned,
     )
     run = WorkerRun(
         run_spec,
         worker.address,
         store,
-        storage,
         dataplane,
         offload,
         comm,

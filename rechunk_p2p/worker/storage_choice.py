@@ -14,6 +14,7 @@ from distributed.comm import get_address_host
 
 from rechunk_p2p.settings import WorkerSettings
 from rechunk_p2p.spec import RunSpec
+from rechunk_p2p.store.base import StoreKind
 from rechunk_p2p.store.direct import writeback_threshold_bytes
 from rechunk_p2p.worker.memory_shares import fitting, output_bytes
 
@@ -32,7 +33,7 @@ class StorageChoice:
         Bytes of the worker's memory budget the run takes (its outputs filled in memory).
     """
 
-    kind: str
+    kind: StoreKind
     in_memory: np.ndarray | None = None
     reserved: int = 0
 

@@ -2,21 +2,22 @@
 lie one after another in memory, else placed piece by piece, widened along axes of unknown
 chunk sizes.
 
-Where it runs: task threads (an output task's assembly), blocking.
+Where it runs: task threads (an output task's assembly), blocking. The stores that keep
+pieces (memory, disk) assemble their outputs with it.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.spec import ShuffleSpec, widen
-from rechunk_p2p.store.base import empty_output, place_blocking
+from rechunk_p2p.store.base import KeptPieces, empty_output, place_blocking
 
 
-def read_output_blocking(store: Any, spec: ShuffleSpec, flat: int) -> tuple[np.ndarray, list[int]]:
+def read_output_blocking(
+    store: KeptPieces, spec: ShuffleSpec, flat: int
+) -> tuple[np.ndarray, list[int]]:
     """Output ``flat`` read from a store that keeps pieces, and the inputs it lacks."""
     partial = spec.partial
     stacked = _stacked_inputs(spec, flat)
@@ -46,14 +47,14 @@ def read_output_blocking(store: Any, spec: ShuffleSpec, flat: int) -> tuple[np.n
 
 def _stacked_inputs(spec: ShuffleSpec, flat: int) -> list[int] | None:
     """The inputs of output ``flat`` in memory order, if the store can lay them one after
-    another (see :meth:`PieceStore.read_stacked_blocking`)."""
+    another (see :meth:`KeptPieces.read_stacked_blocking`)."""
     if spec.unknown_axes or spec.dtype.hasobject:
         return None
     return spec.partial.stacked_inputs(flat)
 
 
 def _read_unknown_blocking(
-    store: Any, spec: ShuffleSpec, flat: int, placement: dict[int, tuple[slice, ...]]
+    store: KeptPieces, spec: ShuffleSpec, flat: int, placement: dict[int, tuple[slice, ...]]
 ) -> tuple[np.ndarray, list[int]]:
     """Output ``flat`` when some axes have unknown chunk sizes: its extent there is the
     pieces' (every piece spans its chunk along those axes)."""
