@@ -3,10 +3,11 @@ it, rechunked to year-long series, with and without the steps users put before a
 (``astype``, a scale and offset), generated (float64) or read from a zarr store (float32);
 rechunk_p2p beside dask's p2p (and tasks), at default settings.
 
-Where it runs: the benchmark's process (client, and the scheduler of a fresh 2-worker
-``LocalCluster`` of 1 thread each for every run, so peaks are the run's own); the data is
-made or read on the workers. The zarr stores are written once (``--store-dir`` keeps them
-between invocations: 561,264 chunks take minutes to write).
+Where it runs: each run in a process of its own (client, and the scheduler of a fresh
+2-worker ``LocalCluster`` of 1 thread each, so peaks are the run's own: a scheduler that
+materialised an earlier run's graph keeps its heap); the data is made or read on the
+workers. The zarr stores are written once (``--store-dir`` keeps them between invocations:
+561,264 chunks take minutes to write).
 
     PYTHONPATH=. .venv/bin/python -m integration.bench_era5 --hours 17520,96432 --repeat 2
 
@@ -19,8 +20,11 @@ is cancelled (its cluster closed) and reported as such.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -139,18 +143,39 @@ def measure(
             for step in steps:
                 for _ in range(repeat):
                     for impl in implementations:  # alternated run by run
-                        with (
-                            LocalCluster(
-                                n_workers=2, threads_per_worker=1, dashboard_address=":0"
-                            ) as cluster,
-                            Client(cluster) as client,
-                        ):
-                            rechunk_p2p.register(client)
-                            start = time.perf_counter()
-                            x = STEPS[step](source(origin, hours, directory))
-                            figures = run_once(client, impl, x, timeout, start)
+                        figures = _in_own_process(hours, origin, step, impl, timeout, directory)
                         runs.setdefault((hours, origin, step, impl), []).append(figures)
     return runs
+
+
+def _in_own_process(
+    hours: int, origin: str, step: str, impl: str, timeout: float, directory: str
+) -> dict[str, Any]:
+    """:func:`measure_one` in a new Python process: its figures (or why it gave none)."""
+    argv = [sys.executable, "-m", "integration.bench_era5", "--one"]
+    argv += [json.dumps([hours, origin, step, impl, timeout, directory])]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 600, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return {"wall_s": None, "first_task_s": None, "error": f"the run's process: {why}"}
+    return json.loads(lines[-1])
+
+
+def measure_one(
+    hours: int, origin: str, step: str, impl: str, timeout: float, directory: str
+) -> dict[str, Any]:
+    """One run on a fresh cluster: its figures (:func:`run_once`)."""
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        rechunk_p2p.register(client)
+        start = time.perf_counter()
+        x = STEPS[step](source(origin, hours, directory))
+        return run_once(client, impl, x, timeout, start)
 
 
 def _median(runs: list[dict], name: str, scale: float = 1.0) -> str:
@@ -227,7 +252,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", default="none,* 0.01 + 273.15", help=f"of {list(STEPS)}")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run")
     parser.add_argument("--store-dir", default=None, help="where the zarr stores are kept")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # (a run in a process of its own)
     args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_one(*json.loads(args.one))))
+        return
     implementations = _choices(args.implementations, RECHUNKS, "implementations")
     origins = _choices(args.origins, ORIGINS, "origins")
     steps = _choices(args.steps, STEPS, "steps")
