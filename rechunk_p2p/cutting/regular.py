@@ -47,10 +47,10 @@ def cut_regular_blocking(
     grid = regular_grid(data.shape, slices, lengths)
     if grid is None:
         return None
-    counts, lengths = grid
+    counts, sizes = grid
     ndim = data.ndim
     order = [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]
-    shape = [counts[a] for a in range(ndim)] + lengths
+    shape = [counts[a] for a in range(ndim)] + sizes
     if out is None:
         blocks = np.empty(shape, dtype=dtype)
     else:
@@ -59,10 +59,10 @@ def cut_regular_blocking(
                 f"out must be a 1-d uint8 buffer of at least {data.nbytes} bytes"
             )
         blocks = out[: data.nbytes].view(dtype).reshape(shape)
-    if not (isinstance(data, JoinedBlocks) and copy_cut_blocking(data, blocks, counts, lengths)):
-        split = np.asarray(data).reshape([v for pair in zip(counts, lengths) for v in pair])
+    if not (isinstance(data, JoinedBlocks) and copy_cut_blocking(data, blocks, counts, sizes)):
+        split = np.asarray(data).reshape([v for pair in zip(counts, sizes) for v in pair])
         np.copyto(blocks, split.transpose(order), casting="equiv")
-    return blocks.reshape(-1, *lengths)
+    return blocks.reshape(-1, *sizes)
 
 
 def regular_grid(
@@ -82,9 +82,10 @@ def regular_grid(
         found = [n if len(p) == 1 else k for p, n, k in zip(slices, shape, lengths)]
     else:
         found = list(lengths)
-    if None in found or [c * n for c, n in zip(counts, found)] != list(shape):
+    known = [n for n in found if n is not None]
+    if len(known) != len(found) or [c * n for c, n in zip(counts, known)] != list(shape):
         return None
-    return counts, found  # type: ignore[return-value]
+    return counts, known
 
 
 def _one_length(pieces: list[slice], extent: int) -> int | None:

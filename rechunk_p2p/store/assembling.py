@@ -403,7 +403,7 @@ class AssemblingMemoryStore:
         fits = len(shape) == lengths.shape[1] and all(n > 0 for n in shape)
         if fits and not (lengths != np.asarray(shape, dtype=np.int64)).any():
             return  # (the usual case, in one pass)
-        absent = (lengths <= 0).any(axis=1)
+        absent = np.asarray((lengths <= 0).any(axis=1))
         wrong = absent.copy()
         if len(shape) != lengths.shape[1]:
             wrong[:] = True

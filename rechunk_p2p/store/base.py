@@ -275,7 +275,8 @@ def place_blocking(out: np.ndarray, where: tuple[slice, ...], piece: np.ndarray)
     therefore copied as a single memory move with the GIL held; anything else is a numpy
     assignment.
     """
-    copy_into_blocking(out[(*where, Ellipsis)], piece)  # a view, also of a 0-d array
+    at: tuple[Any, ...] = (*where, Ellipsis)
+    copy_into_blocking(out[at], piece)  # a view, also of a 0-d array
 
 
 def copy_into_blocking(region: np.ndarray, piece: np.ndarray) -> None:
@@ -292,8 +293,6 @@ def copy_into_blocking(region: np.ndarray, piece: np.ndarray) -> None:
         and region.nbytes
     ):
         # a memoryview slice assignment is a memcpy that keeps the GIL
-        memoryview(region.reshape(-1).view(np.uint8))[:] = memoryview(
-            piece.reshape(-1).view(np.uint8)
-        )
+        region.reshape(-1).view(np.uint8).data[:] = piece.reshape(-1).view(np.uint8).data
     else:
         region[...] = piece

@@ -228,7 +228,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         inputs: list[int],
         shapes: Sequence[tuple[int, ...]],
         payloads: list,
-        sizes: Sequence[int],
+        sizes: Sequence[int] | np.ndarray,
     ) -> int:
         """Store pieces: write them to the data file now, or gather them in the write buffer
         until it is full. ``payloads`` hold the pieces' bytes one after another (one buffer
@@ -272,7 +272,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
             if self._closed:
                 raise closed_error(self.kind, self.name, "write pieces")
             admitted = self._ledger.admit_batch(input_, outputs)
-            shape_id = self._shape_ids_locked(packed.shapes[:1])
+            (shape_id,) = self._shape_ids_list_locked(packed.shapes[:1])
         payload = packed.payload.reshape(-1).view(np.uint8)
         if admitted is not None:  # some were stored before: keep the others only
             payload = payload.reshape(len(outputs), size)[admitted].reshape(-1)
@@ -337,10 +337,11 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
     def _shape_ids_locked(self, shapes: Sequence[tuple[int, ...]]) -> list[int] | int:
         """Ids of ``shapes`` in the store's table of shapes (one id when they are all one)."""
         if shapes and all(s == shapes[0] for s in shapes):
-            shapes = [tuple(shapes[0])]
-            single = True
-        else:
-            single = False
+            return self._shape_ids_list_locked(shapes[:1])[0]
+        return self._shape_ids_list_locked(shapes)
+
+    def _shape_ids_list_locked(self, shapes: Sequence[tuple[int, ...]]) -> list[int]:
+        """The id of each of ``shapes`` in the store's table of shapes."""
         ids = []
         for shape in shapes:
             shape = tuple(shape)
@@ -348,7 +349,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
                 self._shape_ids[shape] = len(self._shapes)
                 self._shapes.append(shape)
             ids.append(self._shape_ids[shape])
-        return ids[0] if single else ids
+        return ids
 
     def _encode(self, array: np.ndarray) -> memoryview:
         """Return the bytes to spill for one array (no copy if it is C-contiguous)."""
@@ -356,7 +357,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
             return memoryview(pickle.dumps(np.asarray(array), protocol=5))
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)  # never 0-d here: 0-d is always contiguous
-        return memoryview(array.reshape(-1).view(np.uint8))
+        return array.reshape(-1).view(np.uint8).data
 
     def _ensure_file_blocking(self) -> int:
         """Create the directory and the data file on first use; return its descriptor."""

@@ -143,7 +143,7 @@ class DiskWriteBuffer:
                 for outs, data in slabs(outputs, members):
                     rows = group_rows(outs, group_id, group.row_bytes)
                     pairs = functools.partial(_group_keys, outs, group)
-                    self._write_rows_blocking(rows, [memoryview(data)], pairs)
+                    self._write_rows_blocking(rows, [data.data], pairs)
         except RechunkRunError:
             if not self._closed:
                 raise

@@ -177,7 +177,7 @@ class DiskReads:
         gaps = np.flatnonzero(np.sort(ranks) != np.arange(len(ranks)))
         present = int(gaps[0]) if len(gaps) else len(ranks)  # placed up to the first missing
         sorted_rows = sorted_rows[:present]
-        target = memoryview(out.reshape(-1).view(np.uint8))
+        target = out.reshape(-1).view(np.uint8).data
         ends = np.cumsum(sorted_rows["nbytes"])
         if present == len(order) and (not len(ends) or int(ends[-1]) != target.nbytes):
             raise RechunkRunError(
@@ -230,11 +230,11 @@ class DiskReads:
             region = out[placement[input_]]
             shape = shapes[shape_id]
             if region.flags.c_contiguous and region.shape == shape:
-                targets.append((offset, memoryview(region.reshape(-1).view(np.uint8))))
+                targets.append((offset, region.reshape(-1).view(np.uint8).data))
             else:
                 buffer = np.empty(shape, dtype=self.dtype)
                 staged.append((region, buffer))
-                targets.append((offset, memoryview(buffer.reshape(-1).view(np.uint8))))
+                targets.append((offset, buffer.reshape(-1).view(np.uint8).data))
         self._read_targets_blocking(fd, targets)
         for region, buffer in staged:
             region[...] = buffer
@@ -273,10 +273,10 @@ class DiskReads:
                 buffer = array.reshape(-1).view(np.uint8)
                 result.append((input_, array))
             if nbytes:
-                targets.append((offset, memoryview(buffer)))
+                targets.append((offset, buffer.data))
         self._read_targets_blocking(fd, targets)
         for input_, position, buffer in raw:
-            result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer))))
+            result[position] = (input_, owned_array(np.asarray(pickle.loads(buffer.data))))
         return result
 
 
@@ -296,7 +296,7 @@ def _gather_blocking(
     runs = np.flatnonzero(o[1:] != o[:-1] + s[:-1]) + 1
     for lo, hi in itertools.pairwise([0, *runs.tolist(), len(o)]):
         first, last = int(at[lo]), int(at[hi - 1] + s[hi - 1])
-        preadv_all(fd, [memoryview(stage[first:last])], int(o[lo]))
+        preadv_all(fd, [stage[first:last].data], int(o[lo]))
     source = np.empty_like(at)
     source[by_file] = at
     unit = out.dtype.itemsize if out.dtype.itemsize in (1, 2, 4, 8) else 1

@@ -80,13 +80,13 @@ class MemoryPieceStore:
         with self._lock:
             if self._closed:
                 raise closed_error(self.kind, self.name, "write pieces")
-            pieces = 0
+            count = 0
             for output, input_, array in batch:
                 if self._ledger.admit(output, input_):
                     self._data.setdefault(output, {})[input_] = array
                     accepted += array.nbytes
-                    pieces += 1
-            self._ledger.stored(pieces, accepted)
+                    count += 1
+            self._ledger.stored(count, accepted)
             self._ledger.in_memory(self._ledger.bytes_buffered)
         return accepted
 
@@ -145,7 +145,7 @@ class MemoryPieceStore:
             arrays = self._data.pop(output, {})
             self._ledger.read(sum(a.nbytes for a in arrays.values()))
         target = out.reshape(-1).view(np.uint8)
-        bytes_of = memoryview(target)
+        bytes_of = target.data
         placed: list[int] = []
         offset = 0
         for input_ in order:
@@ -158,7 +158,7 @@ class MemoryPieceStore:
             if 0 < array.nbytes <= SMALL_COPY_BYTES and array.flags.c_contiguous:
                 # the usual piece (thousands per output): one memcpy with the GIL held, no
                 # copy_into_blocking checks (their cost exceeds a small piece's copy)
-                bytes_of[offset:end] = memoryview(array.reshape(-1).view(np.uint8))
+                bytes_of[offset:end] = array.reshape(-1).view(np.uint8).data
             elif array.nbytes:
                 contiguous = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
                 copy_into_blocking(target[offset:end], contiguous)

@@ -47,7 +47,8 @@ class _Holder:
 
     def __init__(self, pool: OutputPages, pages: mmap.mmap) -> None:
         raw = np.frombuffer(pages, dtype=np.uint8)
-        self._pool, self._pages, self._raw = pool, pages, raw
+        self._pool, self._pages = pool, pages
+        self._raw: np.ndarray | None = raw
         self.__array_interface__ = raw.__array_interface__
 
     def __del__(self) -> None:

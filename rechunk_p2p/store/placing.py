@@ -11,6 +11,7 @@ copy; a piece in an output of its own pages is one copy.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 
@@ -88,8 +89,8 @@ def copy_pieces_blocking(
         return
     if all(len(arrays[sid]) == 1 for sid in arrays):  # outputs of their own: piece by piece
         for k, (sid, place) in enumerate(zip(slabs.tolist(), starts.tolist())):
-            region = tuple(slice(p, p + n) for p, n in zip(place, shape))
-            copy_into_blocking(arrays[sid][(0, *region)], blocks[k])
+            at: tuple[Any, ...] = (0, *(slice(p, p + n) for p, n in zip(place, shape)))
+            copy_into_blocking(arrays[sid][at], blocks[k])
         return
     groups: list[tuple[np.ndarray | slice, np.ndarray]]
     ascending = runs is not None
@@ -102,6 +103,7 @@ def copy_pieces_blocking(
             runs = np.flatnonzero(change) + 1
     if one_place:
         # one place (the usual batch): a run of rows per slab
+        assert runs is not None
         bounds = [0, *runs.tolist(), len(slabs)]
         groups = [
             (slice(a, b), np.concatenate(([slabs[a]], starts[0])))
@@ -111,24 +113,26 @@ def copy_pieces_blocking(
         key = np.column_stack((slabs, starts))
         kinds, which = np.unique(key, axis=0, return_inverse=True)
         order = np.argsort(which.reshape(-1), kind="stable")
-        bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(kinds) + 1))
-        groups = [(order[bounds[g] : bounds[g + 1]], kinds[g]) for g in range(len(kinds))]
+        ends = np.searchsorted(which.reshape(-1)[order], np.arange(len(kinds) + 1))
+        groups = [(order[ends[g] : ends[g + 1]], kinds[g]) for g in range(len(kinds))]
     for rows, (sid, *place) in groups:
         slab = arrays[int(sid)]
-        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
+        region: tuple[Any, ...] = tuple(slice(p, p + n) for p, n in zip(place, shape))
         chosen = slots[rows]
         source = blocks[rows]
         if len(slab) == 1:  # an output of its own: one copy per piece
+            own: tuple[Any, ...] = (0, *region)
             for k in range(len(chosen)):
-                copy_into_blocking(slab[(0, *region)], source[k])
+                copy_into_blocking(slab[own], source[k])
             continue
         lo, count = int(chosen[0]), len(chosen)
         if int(chosen[-1]) - lo == count - 1 and (
             ascending or count < 2 or (np.diff(chosen) == 1).all()
         ):
-            slab[(slice(lo, lo + count), *region)] = source
+            rows_at: tuple[Any, ...] = (slice(lo, lo + count), *region)
         else:
-            slab[(chosen, *region)] = source
+            rows_at = (chosen, *region)
+        slab[rows_at] = source
 
 
 def _copy_few_blocking(
@@ -146,7 +150,7 @@ def _copy_few_blocking(
         groups.setdefault((sid, *place), []).append(k)
     for (sid, *place), rows in groups.items():
         slab = arrays[sid]
-        region = tuple(slice(p, p + n) for p, n in zip(place, shape))
+        region: tuple[Any, ...] = tuple(slice(p, p + n) for p, n in zip(place, shape))
         first, last = rows[0], rows[-1]
         lo = slots[first]
         if (
@@ -154,7 +158,9 @@ def _copy_few_blocking(
             and last - first == len(rows) - 1
             and all(slots[k] == lo + k - first for k in rows)
         ):
-            slab[(slice(lo, lo + len(rows)), *region)] = blocks[first : last + 1]
+            run_at: tuple[Any, ...] = (slice(lo, lo + len(rows)), *region)
+            slab[run_at] = blocks[first : last + 1]
             continue
         for k in rows:
-            copy_into_blocking(slab[(slots[k], *region)], blocks[k])
+            at: tuple[Any, ...] = (slots[k], *region)
+            copy_into_blocking(slab[at], blocks[k])

@@ -353,7 +353,8 @@ class CommBuffer:
     def _take_batch(self, address: str) -> tuple[list[Packed], int]:
         """The next message for ``address``: up to ``message_bytes`` (one item at least)."""
         queue = self._queues[address]
-        batch, total, size = [], 0, 0
+        batch: list[Packed] = []
+        total = size = 0
         while queue and (not batch or size + queue[0][0].nbytes <= self._message_bytes):
             item, nbytes = queue.popleft()
             batch.append(item)

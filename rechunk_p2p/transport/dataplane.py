@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 #: ``await receive(shuffle_id, run_id, batch)``: stores the pieces, returns whether it
 #: copied them out (see :data:`rechunk_p2p.transport.streams.Handler`)
-ReceiveFn = Callable[[str, int, list[Packed]], Awaitable[bool]]
+ReceiveFn = Callable[[ShuffleId, RunId, list[Packed]], Awaitable[bool]]
 
 
 class DataPlane:

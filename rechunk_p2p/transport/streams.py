@@ -166,7 +166,8 @@ async def read_request(
     else:
         payload = np.empty(payload_bytes, dtype=np.uint8)
     if payload_bytes:
-        await stream.read_into(memoryview(payload))
+        # (tornado reads into any writable buffer; its annotation says bytearray)
+        await stream.read_into(payload.data)  # type: ignore[arg-type]
     batch, offset = [], 0
     for head, size in zip(meta["headers"], meta["sizes"]):
         batch.append(Packed.from_message(head, payload[offset : offset + size]))

@@ -158,14 +158,14 @@ def payload_views(payload: np.ndarray) -> list[memoryview]:
     [b'\\x01\\x02', b'\\x05\\x06', b'\\t\\n']
     """
     if payload.flags.c_contiguous:
-        return [memoryview(payload.reshape(-1).view(np.uint8))]
+        return [payload.reshape(-1).view(np.uint8).data]
     # the trailing axes that lie contiguously form one run; the others are iterated
     lead, run = payload.ndim, payload.itemsize
     while lead and payload.strides[lead - 1] == run:
         lead -= 1
         run *= payload.shape[lead]
     if lead == payload.ndim or min(payload.strides) < 0:  # (no contiguous run: a copy)
-        return [memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))]
+        return [np.ascontiguousarray(payload).reshape(-1).view(np.uint8).data]
     # each run's byte offset from the first, in C order; then slices of one memoryview
     # spanning them all (a slice costs a fraction of what a numpy view per run does)
     offsets = np.zeros(1, dtype=np.int64)
@@ -175,7 +175,7 @@ def payload_views(payload: np.ndarray) -> list[memoryview]:
     span = np.lib.stride_tricks.as_strided(
         raw, shape=(int(offsets[-1]) + run,), strides=(1,), writeable=False
     )
-    whole = memoryview(span)
+    whole = span.data
     return [whole[o : o + run] for o in offsets.tolist()]
 
 

@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 #: Closed run ids remembered (oldest forgotten first): enough for every rechunk a long-lived
 #: worker has in flight or may still hear stale messages about; ~1 MB at most.
 _CLOSED_IDS_KEPT = 10_000
+#: No run yet: at or below every run's id
+_NO_RUN = RunId(0)
 #: How long a task waits for the plugins to arrive when it installs them itself.
 INSTALL_TIMEOUT = 60.0
 
@@ -188,6 +190,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         worker.stream_handlers.pop("rechunk_p2p_close", None)
         worker.stream_handlers.pop("rechunk_p2p_continue", None)
         if self.dataplane is not None:
+            assert self.offload is not None  # (made before the data plane, at setup)
             await self.offload.to_thread(self.dataplane.stop_blocking)
         if self.offload is not None:
             self.offload.shutdown(wait=False)
@@ -208,7 +211,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
             return run
         return from_thread(self.worker.loop.asyncio_loop, self._fetch_run, shuffle_id)
 
-    async def _fetch_run(self, shuffle_id: ShuffleId, min_run_id: RunId = 0) -> WorkerRun:
+    async def _fetch_run(self, shuffle_id: ShuffleId, min_run_id: RunId = _NO_RUN) -> WorkerRun:
         """On the worker loop: ask the scheduler for the current run (deduplicated)."""
         with self._lock:
             run = self.runs.get(shuffle_id)
@@ -370,7 +373,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
     def _close_handler(self, shuffle_id: ShuffleId, run_id: RunId, reason: str = "") -> None:
         with self._lock:
             run = self.runs.get(shuffle_id)
-            closed = self._closed_run_ids.pop(shuffle_id, 0)
+            closed = self._closed_run_ids.pop(shuffle_id, _NO_RUN)
             self._closed_run_ids[shuffle_id] = max(closed, run_id)
             if len(self._closed_run_ids) > _CLOSED_IDS_KEPT:
                 self._closed_run_ids.popitem(last=False)

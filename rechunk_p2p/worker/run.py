@@ -27,7 +27,7 @@ from rechunk_p2p.spec import RunId, RunSpec, ShuffleId
 from rechunk_p2p.store.base import PieceStore, StoreKind
 from rechunk_p2p.transport.comm import CommBuffer, CommStatistics
 from rechunk_p2p.transport.dataplane import DataPlane
-from rechunk_p2p.transport.wire import Packed, output_array
+from rechunk_p2p.transport.wire import Packed, Piece, output_array
 from rechunk_p2p.worker.memory_shares import RunMemory
 from rechunk_p2p.worker.store_gate import StoreGate
 
@@ -197,7 +197,7 @@ class WorkerRun:
         return self.run_spec.shuffle_id
 
     @property
-    def run_id(self) -> int:
+    def run_id(self) -> RunId:
         return self.run_spec.run_id
 
     @property
@@ -259,7 +259,9 @@ class WorkerRun:
             with self._gate.shared():  # (a spill changes the store and the cutter)
                 plan = self._cutter.in_place(run_spec, flat, data)
                 scratch = None if plan is not None else self._cuts.take(data.nbytes)
+                local: Packed | list[Packed] | list[Piece]
                 if plan is not None:
+                    # (a plan is made for a plain array only: in_place)
                     local, remote = self._cutter.send_in_place(run_spec, flat, data, plan)  # type: ignore[arg-type]
                 else:
                     local, remote = self._cutter.cut_blocking(run_spec, flat, data, scratch)
