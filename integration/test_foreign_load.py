@@ -72,3 +72,27 @@ def test_three_busy_windows_are_held_to_bounds_widened_for_the_other_work(monkey
             assert lines[0] == "max lag 300 ms" and len(lines) == 2 + foreign_load.ATTEMPTS
             assert all("0.30 cores of other work" in line for line in lines[1:-1])
             assert lines[-1] == "bounds widened x1.2 for the other work"
+
+
+def test_unresponsive_warnings_on_a_busy_machine_are_held_without_the_wait_for_a_cpu():
+    """A scheduler warned "unresponsive" passes widened bounds only where its loop, less
+    the time it waited for a CPU, kept within the tick limit widened as much; on a quiet
+    machine (no widening) the warning fails as it is."""
+    from integration.lag_bounds import LagBounds, violations, widened
+    from rechunk_p2p.diagnostics.loop_stats import (
+        DistributedSignals,
+        LoopLagReport,
+        LoopLagSummary,
+        StallCauses,
+    )
+
+    def report(adjusted_max_ms: float) -> LoopLagReport:
+        lag = LoopLagSummary(30_000, 1.8, 31.0, 5767.7, 105, 11)
+        signals = DistributedSignals("Scheduler", 6582, 25.0, 6258.2, 2, 6.3, 3.0)
+        causes = StallCauses(19554, 4899, 12982, 1673, 13.8, adjusted_max_ms, 4)
+        return LoopLagReport({"s": lag}, lag, 1.0, 164.6, {"s": signals}, causes={"s": causes})
+
+    warned = "Scheduler s: 2 'Event loop was unresponsive' warnings"
+    assert violations(report(2288.9), LagBounds()) == [warned]
+    assert violations(report(2288.9), widened(LagBounds(), 2.3)) == []
+    assert violations(report(7000.0), widened(LagBounds(), 2.3)) == [warned]
