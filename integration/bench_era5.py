@@ -95,7 +95,7 @@ def run_once(
 ) -> dict[str, Any]:
     """One rechunk of ``x`` to year-long series, summed: the figures of the run, or why it
     did not finish. ``start`` is when the input began to be built (wall is from there)."""
-    pids = {a: v for a, v in client.run(os.getpid).items()}
+    pids = dict(client.run(os.getpid))
     y = RECHUNKS[impl](x, (YEAR, 4, 8)).sum()
     cursor = len(client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.get_task_stream()))
     since = time.time() - (time.perf_counter() - start)

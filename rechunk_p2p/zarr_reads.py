@@ -46,11 +46,11 @@ def reader_for(source: Any) -> Any:
         hit = _READERS.get(id(source))
         if hit is not None and hit[0]() is source:
             return hit[1]
-        reader = _zarrs_array(source)
         try:
             ref = weakref.ref(source)
         except TypeError:  # (an object that takes no weak reference: read as it is)
             return source
+        reader = _zarrs_array(source)
         for key in [k for k, (r, _) in _READERS.items() if r() is None]:
             del _READERS[key]
         _READERS[id(source)] = (ref, reader)
