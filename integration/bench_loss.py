@@ -16,8 +16,9 @@ second half of its share of the transfers, before the barrier).
 Two variants alternate:
 
 - ``continue``: the engine as it is (the run continues without the worker);
-- ``restart``: the same, with the scheduler plugin told never to continue (``_can_continue``
-  replaced in this process), which restarts the run as before continuations existed.
+- ``restart``: the same, with the scheduler plugin told never to continue a run whose owner
+  left (its decision replaced in the scheduler's process), which restarts the run as before
+  continuations existed.
 
 Reported per variant (medians): seconds from the kill to the result, output chunks assembled
 after the kill, transfer tasks run after the kill, and piece bytes the surviving workers sent
@@ -63,8 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _never_continue(dask_scheduler: Any) -> None:  # runs on the scheduler
-    plugin = dask_scheduler.plugins["rechunk-p2p"]
-    plugin._can_continue = lambda *args: False
+    from rechunk_p2p import recovery, scheduler_recovery
+
+    def restart_instead(run: Any, worker: str, facts: Any, run_id: Any) -> Any:
+        if worker in run.owners:
+            return recovery.Restart(f"worker {worker} left")
+        return recovery.worker_left(run, worker, facts, run_id)
+
+    scheduler_recovery.worker_left = restart_instead  # type: ignore[assignment]
 
 
 def _victim(dask_scheduler: Any) -> dict:  # runs on the scheduler
@@ -181,7 +188,9 @@ def _after(dask_scheduler: Any, killed_at: float) -> dict:  # runs on the schedu
     counts["transfers_before"] = len(counts["transfers_before"])
     plugin = dask_scheduler.plugins["rechunk-p2p"]
     counts.update(
-        continuations=plugin.continuations, restarts=plugin.restarts, runs=plugin.runs_created
+        continuations=plugin.recovery.counts.continuations,
+        restarts=plugin.recovery.counts.restarts,
+        runs=plugin.runs_created,
     )
     return counts
 

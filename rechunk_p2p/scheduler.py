@@ -14,7 +14,7 @@ from time import time
 from typing import Any
 
 from distributed import SchedulerPlugin
-from distributed.core import Status, error_message
+from distributed.core import ErrorMessage, Status, error_message
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
@@ -22,13 +22,8 @@ from rechunk_p2p.diagnostics import dashboard, metrics
 from rechunk_p2p.diagnostics.live_view import FINISHED_KEPT, FinishedRun, finished_run
 from rechunk_p2p.diagnostics.metrics import error_type
 from rechunk_p2p.errors import BROKEN_CONNECTION, ClusterError, StaleRunError
-from rechunk_p2p.recovery import (
-    BARRIER_PENDING,
-    STALE_STIMULUS,
-    RunRecovery,
-    SchedulerRun,
-    transfer_chain,
-)
+from rechunk_p2p.recovery import BARRIER_PENDING, SchedulerRun
+from rechunk_p2p.scheduler_recovery import STALE_STIMULUS, RunIds, RunRecovery
 from rechunk_p2p.scheduler_tuning import SchedulerTuning
 from rechunk_p2p.settings import SchedulerSettings
 from rechunk_p2p.spec import (
@@ -58,13 +53,14 @@ logger = logging.getLogger(__name__)
 BARRIER_ATTEMPTS = 5
 
 
-class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
+class RechunkSchedulerPlugin(SchedulerPlugin):
     """**Loop-confined.** rechunk_p2p's state on the scheduler.
 
     On start it registers its RPC handlers and the worker plugin (on every current and future
     worker). A run is created when the first transfer task of a sub-shuffle asks for it, and
     forgotten (on every worker too) when its barrier task is released, errs or is forgotten,
-    or restarted with a new run id when one of its workers leaves.
+    or continued or restarted with a new run id when one of its workers leaves (decided and
+    done by its :class:`~rechunk_p2p.scheduler_recovery.RunRecovery`, ``recovery``).
     """
 
     name = PLUGIN_NAME
@@ -73,21 +69,10 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     def __init__(self) -> None:
         self.scheduler: Any = None
         self.active: dict[str, SchedulerRun] = {}
-        self._run_ids = itertools.count(1)
-        self._stale_rounds = itertools.count()
+        self._run_ids = RunIds()
         self._shifts = itertools.count()
         self.runs_created = 0
-        self.restarts_saved = 0  # workers that left a run without restarting it
-        self.restarts = 0  # runs restarted from scratch (no other worker left, a result lost)
-        self.continuations = 0  # runs continued after an owner left, or to remake outputs
-        self.remade = 0  # outputs lost after assembly that continuations assembled again
-        self.outputs_kept = 0  # finished outputs of other workers that continuations kept
-        self.outputs_moved = 0  # outputs continuations moved to another worker
-        self.transfers_rerun = 0  # finished transfers continuations ran again
-        # transfer key -> the worker that computed it, while its result is in memory
-        self._computed_on: dict[Any, str] = {}
-        # transfer key -> the run it cut its inputs for (its metadata), while in memory
-        self._cut_for: dict[Any, RunId] = {}
+        self.recovery = RunRecovery(None, self._close, self._run_ids)
         self.waves = TransferWaves()
         self.finished: deque[FinishedRun] = deque(maxlen=FINISHED_KEPT)  # for the dashboard
         self.errors: Counter[str] = Counter()  # transfers and barriers that erred, by type
@@ -108,6 +93,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
             return
         scheduler.add_plugin(self, name=self.name, idempotent=True)
         self.scheduler = scheduler
+        self.recovery.scheduler = scheduler
         self.tuning = SchedulerTuning(lambda: scheduler.tasks, lambda: bool(self.active))
         self.stalls = StallWatch(scheduler, lambda: self.active)
         self.stalls.start()
@@ -206,7 +192,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
 
     # --- handlers -------------------------------------------------------------------------
 
-    def get_or_create(self, shuffle_id: ShuffleId, worker: str) -> dict:
+    def get_or_create(self, shuffle_id: ShuffleId, worker: str) -> dict | ErrorMessage:
         """The current run of ``shuffle_id``, created on first request."""
         try:
             run = self.active.get(shuffle_id) or self._create(shuffle_id)
@@ -221,7 +207,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
         run_spec = RunSpec(
             spec=spec,
-            run_id=RunId(next(self._run_ids)),
+            run_id=self._run_ids.take(),
             workers=tuple(workers),
             dataplanes=tuple(dataplanes[w] for w in workers),
             shift=next(self._shifts) % len(workers),
@@ -287,7 +273,7 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         self.scheduler.set_restrictions(originals)
         run.restricted.clear()
 
-    async def barrier(self, shuffle_id: ShuffleId, run_ids: list[RunId]) -> dict:
+    async def barrier(self, shuffle_id: ShuffleId, run_ids: list[RunId]) -> dict | ErrorMessage:
         """Every input of the run was cut: make every participant flush its sends.
 
         ``run_ids`` are the transfers' results in the order of ``spec.transfers``. Transfers
@@ -298,11 +284,11 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
         when the barrier must be rescheduled.
         """
         run = self.active.get(shuffle_id)
-        current = run.run_spec.run_id if run is not None else None
         stale = [t for t, r in enumerate(run_ids) if run is None or not run.takes(t, r)]
         if run is None or stale:
-            self._rerun_stale(shuffle_id, run, stale)
+            self.recovery.rerun_stale(shuffle_id, run, stale)
             return {"status": "OK", "restarted": True}
+        current = run.run_spec.run_id
         msg = {"op": "rechunk_p2p_worker_barrier", "shuffle_id": shuffle_id, "run_id": current}
         targets = [w for w in run.participants if w in self.scheduler.workers]
         results = await self._broadcast_retrying(msg, targets, run, current)
@@ -366,32 +352,9 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
             await asyncio.sleep(0.05 * 2**attempt)
         return results
 
-    def _rerun_stale(
-        self, shuffle_id: ShuffleId, run: SchedulerRun | None, stale: list[int]
-    ) -> None:
-        """Release the barrier and the stale transfers, which then run (again) for the
-        current run; with no run active, restart the whole sub-shuffle."""
-        barrier = self.scheduler.tasks.get(barrier_key(shuffle_id))
-        if barrier is None or barrier.state != "processing":
-            return  # released or forgotten meanwhile: its own transitions handle it
-        stimulus_id = f"{STALE_STIMULUS}{shuffle_id}-{next(self._stale_rounds)}"
-        if run is None:
-            self._restart(shuffle_id, stimulus_id)
-            return
-        spec = run.run_spec.spec
-        deps = {spec.transfer_of(dt.key): dt for dt in barrier.dependencies}
-        recs = {ts.key: "released" for i in stale if i in deps for ts in transfer_chain(deps[i])}
-        recs[barrier.key] = "released"
-        logger.info(
-            "Rechunk %s: %d transfers ran for an older run; running them for run %d",
-            shuffle_id,
-            len(stale),
-            run.run_spec.run_id,
-        )
-        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
-        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
-
-    def restrict(self, shuffle_id: ShuffleId, run_id: RunId, key: Any, worker: str) -> dict:
+    def restrict(
+        self, shuffle_id: ShuffleId, run_id: RunId, key: Any, worker: str
+    ) -> dict | ErrorMessage:
         """Pin one unpack task to ``worker`` (used when it first ran elsewhere)."""
         run = self.active.get(shuffle_id)
         if run is None or run.run_spec.run_id != run_id:
@@ -414,71 +377,76 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
     ) -> dict:
         """A worker lost a result it cannot rebuild: ``output``, assembled on ``worker``
         before, whose pieces are gone. Run ``run_id`` continues to assemble it again
-        elsewhere where it can (see :meth:`RunRecovery.remake`), else restarts from scratch;
-        nothing if it was replaced already."""
+        elsewhere where it can, else restarts from scratch
+        (:meth:`~rechunk_p2p.scheduler_recovery.RunRecovery.output_lost`); nothing if it was
+        replaced already."""
         run = self.active.get(shuffle_id)
         if run is not None and run.run_spec.run_id == run_id:
-            remade = (
-                output is not None
-                and worker is not None
-                and self.remake(shuffle_id, run, output, worker, reason)
-            )
-            if remade:
-                return {"status": "OK"}
-            logger.warning("Restarting rechunk %s (run %d): %s", shuffle_id, run_id, reason)
-            self.restarts += 1
-            self._close(shuffle_id, reason=reason)
-            self._restart(shuffle_id, f"rechunk-p2p-restart-{shuffle_id}-{run_id}")
+            self.recovery.output_lost(run, output, worker, reason)
         return {"status": "OK"}
+
+    def remove_worker(
+        self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        """A worker left: each run it was in continues, goes on or restarts without it
+        (:meth:`~rechunk_p2p.scheduler_recovery.RunRecovery.worker_left`)."""
+        self.scheduler.get_metadata([METADATA_KEY], default={}).pop(worker, None)
+        self.waves.forget_worker(worker)
+        for run in list(self.active.values()):
+            self.recovery.worker_left(run, worker, stimulus_id)
 
     # --- lifecycle ------------------------------------------------------------------------
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        """Note where each transfer ran and which outputs were assembled; forget a run once
-        its barrier is released, erred or forgotten; count the errors of either by type."""
+        """Count failed transfers and barriers by type, then pass the transition to the
+        transfer's, output's or barrier's handler."""
         transfer = isinstance(key, tuple) and TRANSFER_PREFIX in key[0]
         if finish == "erred" and start == "processing" and (transfer or id_from_key(key)):
             self.errors[error_type(kwargs.get("exception_text", ""))] += 1
         if transfer:
-            if finish == "memory" and "worker" in kwargs:
-                self._computed_on[key] = kwargs["worker"]
-                run_id = (kwargs.get("metadata") or {}).get(RUN_METADATA)
-                if run_id is not None:
-                    self._cut_for[key] = run_id
-            elif finish in ("released", "erred", "forgotten"):
-                self._computed_on.pop(key, None)
-                self._cut_for.pop(key, None)
-            if (worker := self.waves.moved(key, start, finish)) is not None:
-                asyncio.get_running_loop().call_soon(self._refill, worker)
-            return
-        if finish not in ("memory", "released", "erred", "forgotten"):
-            return
-        if finish == "memory" and OUTPUT_METADATA in (meta := kwargs.get("metadata") or {}):
-            self._assembled(*meta[OUTPUT_METADATA])
-            return
+            self._transfer_moved(key, start, finish, kwargs)
+        elif finish == "memory" and OUTPUT_METADATA in (kwargs.get("metadata") or {}):
+            self._output_assembled(*kwargs["metadata"][OUTPUT_METADATA])
+        elif finish in ("memory", "released", "erred", "forgotten"):
+            self._barrier_moved(key, start, finish, kwargs.get("stimulus_id", ""))
+
+    def _transfer_moved(self, key: Any, start: str, finish: str, kwargs: dict) -> None:
+        """Note where a transfer ran and for which run while its result is in memory; hand
+        the next wave of transfers to a worker that finished one of its own."""
+        if finish == "memory" and "worker" in kwargs:
+            run_id = (kwargs.get("metadata") or {}).get(RUN_METADATA)
+            self.recovery.transfer_done(key, kwargs["worker"], run_id)
+        elif finish in ("released", "erred", "forgotten"):
+            self.recovery.transfer_gone(key)
+        if (worker := self.waves.moved(key, start, finish)) is not None:
+            asyncio.get_running_loop().call_soon(self._refill, worker)
+
+    def _output_assembled(self, shuffle_id: ShuffleId, run_id: RunId, flat: int) -> None:
+        run = self.active.get(shuffle_id)
+        if run is not None:
+            run.output_assembled(run_id, flat)
+
+    def _barrier_moved(self, key: Any, start: str, finish: str, stimulus_id: str) -> None:
+        """A barrier (or another task of a rechunk) reached ``finish``: in memory, every
+        piece of the run arrived; released, erred or forgotten, the run closes, but for a
+        release that runs it again (stale transfers), or one after which ``remove_worker``
+        may continue the run."""
         shuffle_id = id_from_key(key)
         run = self.active.get(shuffle_id) if shuffle_id is not None else None
-        if run is None:
+        if run is None or shuffle_id is None:
             return
         if finish == "memory":
-            run.delivered = True
-            run.full_by.clear()
-            return
-        if finish == "released" and kwargs.get("stimulus_id", "").startswith(STALE_STIMULUS):
-            return  # _rerun_stale released the barrier: the run goes on, with the reruns
-        if finish == "released" and start in ("memory", "processing"):
+            run.barrier_passed()
+        elif finish == "released" and stimulus_id.startswith(STALE_STIMULUS):
+            pass  # released to run again, with the stale transfers: the run goes on
+        elif finish == "released" and start in ("memory", "processing"):
             # released at the end, or lost with a worker (its result, or the worker running
             # it): then remove_worker, called right after this, may continue the run; decide
             # once it has
             loop = asyncio.get_running_loop()
             loop.call_soon(self._close_if_done, shuffle_id, run, run.run_spec.run_id)
-            return
-        self._close(shuffle_id, reason=f"barrier {finish}")
-
-    def _assembled(self, shuffle_id: ShuffleId, run_id: RunId, flat: int) -> None:
-        run = self.active.get(shuffle_id)
-        if run is not None and run.run_spec.accepts(run_id):
-            run.assembled.add(flat)
+        else:
+            self._close(shuffle_id, reason=f"barrier {finish}")
 
     def _close_if_done(self, shuffle_id: ShuffleId, run: SchedulerRun, run_id: RunId) -> None:
         """Close ``run`` after its barrier left memory, unless it was continued (or closed)
@@ -511,6 +479,5 @@ class RechunkSchedulerPlugin(RunRecovery, SchedulerPlugin):
 
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
-        self._computed_on.clear()
-        self._cut_for.clear()
+        self.recovery.forget()
         self.waves = TransferWaves()

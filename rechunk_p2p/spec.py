@@ -80,10 +80,10 @@ def barrier_key(shuffle_id: ShuffleId) -> str:
     return BARRIER_PREFIX + shuffle_id
 
 
-def id_from_key(key: object) -> str | None:
+def id_from_key(key: object) -> ShuffleId | None:
     """The shuffle id of a barrier key, or None for any other key."""
     if isinstance(key, str) and key.startswith(BARRIER_PREFIX):
-        return key[len(BARRIER_PREFIX) :]
+        return ShuffleId(key[len(BARRIER_PREFIX) :])
     return None
 
 

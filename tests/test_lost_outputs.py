@@ -61,8 +61,12 @@ async def test_an_output_lost_after_assembly_is_assembled_again_on_the_next_work
     (second,) = {ws.address for ws in s.tasks[key].who_has}
     workers = run.run_spec.workers
     assert second == workers[(workers.index(first) + 1) % len(workers)]
-    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 1)
-    assert plugin.remade == 1 and run.run_spec.moved == frozenset({flat})
+    assert (
+        plugin.runs_created,
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+    ) == (1, 0, 1)
+    assert plugin.recovery.counts.remade == 1 and run.run_spec.moved == frozenset({flat})
     # every other output is as it was: assembled once, never again
     assert all(s.tasks[k].state == "memory" for k in outputs if k != key)
     del held, futures, again
@@ -87,7 +91,11 @@ async def test_an_output_lost_twice_comes_back_to_a_worker_that_assembled_it(c, 
         places.append(run.run_spec.worker_for(flat))
         assert {ws.address for ws in s.tasks[key].who_has} == {places[-1]}
     assert places[3] == places[0] and len(set(places)) == 3, places
-    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 3, 3)
+    assert (
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+        plugin.recovery.counts.remade,
+    ) == (0, 3, 3)
     del held, futures, future
     await assert_clean(s, *ws)
 
@@ -133,9 +141,11 @@ async def test_a_consumer_lost_with_a_worker_makes_the_run_assemble_its_output_a
     assert plugin.active, "the run ended before w3 left"
     await w3.close()
     check_result(await asyncio.wait_for(c.compute(zs), 60), arr + 1)
-    assert plugin.restarts == 0, plugin.restarts
-    assert plugin.remade >= 3, plugin.remade
-    assert plugin.continuations == 1, plugin.continuations  # (its outputs and the others)
+    assert plugin.recovery.counts.restarts == 0, plugin.recovery.counts.restarts
+    assert plugin.recovery.counts.remade >= 3, plugin.recovery.counts.remade
+    assert plugin.recovery.counts.continuations == 1, (
+        plugin.recovery.counts.continuations
+    )  # (its outputs and the others)
     del zs
     await assert_clean(s, a, b)
 
@@ -153,12 +163,20 @@ async def test_a_report_from_a_worker_that_no_longer_has_the_output_changes_noth
     reply = plugin.restart_run(spec.shuffle_id, spec.run_id, "lost", output=flat, worker=other)
     assert reply == {"status": "OK"}
     assert run.run_spec is spec and plugin.active
-    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 0, 0)
+    assert (
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+        plugin.recovery.counts.remade,
+    ) == (0, 0, 0)
     # reported by its worker, it is assembled again
     plugin.restart_run(
         spec.shuffle_id, spec.run_id, "lost", output=flat, worker=spec.worker_for(flat)
     )
-    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 1, 1)
+    assert (
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+        plugin.recovery.counts.remade,
+    ) == (0, 1, 1)
     assert run.run_spec.worker_for(flat) != spec.worker_for(flat)
     del futures[flat]
     await _forgotten(s, outputs[flat])
@@ -184,7 +202,11 @@ async def test_outputs_lost_together_are_assembled_again_by_one_continuation(c, 
     again = c.get(graph, [outputs[flat] for flat in lost], sync=False)
     for flat, future in zip(lost, again):
         check_result(await asyncio.wait_for(future, 30), arr[:, 6 * flat : 6 * flat + 6])
-    assert (plugin.restarts, plugin.continuations, plugin.remade) == (0, 1, 3)
+    assert (
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+        plugin.recovery.counts.remade,
+    ) == (0, 1, 3)
     workers = run.run_spec.workers
     for flat in lost:
         (where,) = {ws.address for ws in s.tasks[outputs[flat]].who_has}

@@ -207,7 +207,11 @@ async def test_outputs_moved_by_a_continuation_spill_past_the_budget(c, s, *work
     owner = await retire_an_owner_once_it_transferred(c, s, workers)
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
-    assert (plugin.continuations, plugin.restarts, plugin.outputs_moved) == (1, 0, 2)
+    assert (
+        plugin.recovery.counts.continuations,
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.outputs_moved,
+    ) == (1, 0, 2)
     survivors = [w for w in workers if w.address != owner]
     block = 60 * 10 * 8
     assert [peaks[w.address] for w in survivors] == [2 * block, 2 * block], peaks

@@ -39,9 +39,7 @@ OWED = frozenset(
         "rechunk_p2p/integrations/zarr_report.py",
         "rechunk_p2p/integrations/zarr_target.py",
         "rechunk_p2p/integrations/zarr_writes.py",
-        "rechunk_p2p/recovery.py",
         "rechunk_p2p/routing.py",
-        "rechunk_p2p/scheduler.py",
         "rechunk_p2p/sources.py",
         "rechunk_p2p/stalls.py",
     }

@@ -68,7 +68,7 @@ async def test_a_bystander_leaving_does_not_restart_the_rechunk(c, s, *workers, 
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
     assert plugin.runs_created == 1  # no restart
-    assert plugin.restarts_saved == 1
+    assert plugin.recovery.counts.restarts_saved == 1
     del future
     await assert_clean(s, *(w for w in workers if w is not worker))
 
@@ -91,8 +91,12 @@ async def test_a_retiring_owner_continues_the_rechunk_and_loses_nothing(c, s, *w
     owner = await retire_an_owner_once_it_transferred(c, s, workers)
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
-    assert (plugin.runs_created, plugin.continuations, plugin.restarts) == (1, 1, 0)
-    assert plugin.restarts_saved == 0 and plugin.outputs_moved == 2
+    assert (
+        plugin.runs_created,
+        plugin.recovery.counts.continuations,
+        plugin.recovery.counts.restarts,
+    ) == (1, 1, 0)
+    assert plugin.recovery.counts.restarts_saved == 0 and plugin.recovery.counts.outputs_moved == 2
     del future
     await assert_clean(s, *(w for w in workers if w.address != owner))
 
@@ -125,9 +129,13 @@ async def test_an_owner_leaving_after_the_barrier_continues_the_run_keeping_fini
     await next(w for w in workers if w.address == owner).close()
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
-    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 1)
-    assert plugin.outputs_moved == sum(1 for w in keys.values() if w == owner) == 10
-    assert plugin.outputs_kept >= len(kept) > 0
+    assert (
+        plugin.runs_created,
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+    ) == (1, 0, 1)
+    assert plugin.recovery.counts.outputs_moved == sum(1 for w in keys.values() if w == owner) == 10
+    assert plugin.recovery.counts.outputs_kept >= len(kept) > 0
     assert all(_computed(s, key) == 1 for key in kept)  # not computed again
     del future
     await assert_clean(s, *(w for w in workers if w.address != owner))
@@ -169,7 +177,7 @@ async def test_a_bystander_leaving_a_continued_run_with_pieces_it_never_sent(c, 
     by_address = {w.address: w for w in workers}
     bystanders = sorted(set(run.run_spec.workers) - run.owners)
     gates = {b: _hold_sends(by_address[b]) for b in bystanders}
-    computed_on = s.plugins[PLUGIN]._computed_on
+    computed_on = s.plugins[PLUGIN].recovery.computed_on
     while not set(bystanders) <= set(computed_on.values()):
         await asyncio.sleep(0.005)  # each cut inputs in full; their pieces wait on it
     await by_address[sorted(run.owners)[0]].close()  # run 2 continues run 1
@@ -183,7 +191,11 @@ async def test_a_bystander_leaving_a_continued_run_with_pieces_it_never_sent(c, 
     await by_address[leaver].close()  # with the pieces it held
     check_result(await asyncio.wait_for(future, 60), arr)
     plugin = s.plugins[PLUGIN]
-    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 2)
+    assert (
+        plugin.runs_created,
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+    ) == (1, 0, 2)
     del future
     await assert_clean(s, *(w for w in workers if w.status.name == "running"))
 
@@ -204,7 +216,7 @@ async def test_a_bystander_leaving_a_continued_run_runs_again_only_the_transfers
     by_address = {w.address: w for w in workers}
     bystanders = sorted(set(run.run_spec.workers) - run.owners)
     gates = {b: _hold_sends(by_address[b]) for b in bystanders}
-    while not set(bystanders) <= set(plugin._computed_on.values()):
+    while not set(bystanders) <= set(plugin.recovery.computed_on.values()):
         await asyncio.sleep(0.005)
     await by_address[sorted(run.owners)[0]].close()  # run 2 continues run 1
     barrier = s.tasks[f"rechunk_p2p-barrier-{run.run_spec.shuffle_id}"]
@@ -212,7 +224,7 @@ async def test_a_bystander_leaving_a_continued_run_runs_again_only_the_transfers
     while run.run_spec.run_id == 1 or any(s.tasks[k].state != "memory" for k in transfers):
         await asyncio.sleep(0.005)  # every transfer ran for run 2; the barrier waits
     (leaver,) = [b for b in bystanders if b not in run.owners]
-    ran_there = sum(1 for k in transfers if plugin._computed_on.get(k) == leaver)
+    ran_there = sum(1 for k in transfers if plugin.recovery.computed_on.get(k) == leaver)
     computed = sum(_computed(s, k) for k in transfers)
     moved = run.run_spec.moved
     for b in bystanders:
@@ -224,8 +236,14 @@ async def test_a_bystander_leaving_a_continued_run_runs_again_only_the_transfers
     check_result(await asyncio.wait_for(future, 60), arr)
     again = sum(_computed(s, k) for k in transfers) - computed
     assert 0 < again <= ran_there + resent < len(transfers), (again, ran_there, resent)
-    assert plugin.transfers_rerun - len(transfers) <= again  # (run 2 reran every one)
-    assert (plugin.runs_created, plugin.restarts, plugin.continuations) == (1, 0, 2)
+    assert (
+        plugin.recovery.counts.transfers_rerun - len(transfers) <= again
+    )  # (run 2 reran every one)
+    assert (
+        plugin.runs_created,
+        plugin.recovery.counts.restarts,
+        plugin.recovery.counts.continuations,
+    ) == (1, 0, 2)
     del future
     await assert_clean(s, *(w for w in workers if w.status.name == "running"))
 

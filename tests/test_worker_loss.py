@@ -124,10 +124,10 @@ def _counters(dask_scheduler) -> dict:
     plugin = dask_scheduler.plugins[PLUGIN]
     return {
         "runs": plugin.runs_created,
-        "restarts": plugin.restarts,
-        "continuations": plugin.continuations,
-        "moved": plugin.outputs_moved,
-        "saved": plugin.restarts_saved,
+        "restarts": plugin.recovery.counts.restarts,
+        "continuations": plugin.recovery.counts.continuations,
+        "moved": plugin.recovery.counts.outputs_moved,
+        "saved": plugin.recovery.counts.restarts_saved,
     }
 
 

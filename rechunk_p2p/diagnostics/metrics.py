@@ -175,8 +175,9 @@ def _scheduler_families(plugins: list[Any]) -> Iterator[Any]:
     for plugin in plugins:
         address = str(plugin.scheduler.address)
         active.add_metric([address], len(plugin.active))
+        totals = {"runs_created": plugin.runs_created, **vars(plugin.recovery.counts)}
         for name, family in counters.items():
-            family.add_metric([address], getattr(plugin, name))
+            family.add_metric([address], totals[name])
         for kind, count in sorted(plugin.errors.items()):
             errors.add_metric([address, kind], count)
     yield active

@@ -349,7 +349,7 @@ class RechunkWorkerPlugin(WorkerPlugin):
         self, shuffle_id: ShuffleId, run_spec: RunSpec, keep: Sequence[int] = ()
     ) -> None:
         """The scheduler continues a run after an output owner left (see
-        :meth:`RechunkSchedulerPlugin._continue_without`).
+        :func:`rechunk_p2p.recovery.worker_left`).
 
         Sent before the scheduler releases the barrier: ``keep`` are outputs of this worker
         whose tasks that release cancels; their results are kept for the continued run (their
