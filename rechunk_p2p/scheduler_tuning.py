@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from rechunk_p2p.settings import SchedulerSettings
 
 if TYPE_CHECKING:
-    from rechunk_p2p.worker.tuning import ProcessTuning
+    from rechunk_p2p.worker.tuning import TuningHold
 
 #: How long the scheduler holds no run and no rechunk graph before the objects frozen for
 #: rechunks are given back: longer than the pauses between a pipeline's rechunks
@@ -32,8 +32,8 @@ class SchedulerTuning:
     """**Loop-confined** (the scheduler's loop; :func:`materializing` reaches it from any
     thread). While the scheduler builds or holds a rechunk's graph, or holds its run, the
     objects of its process are frozen out of full garbage collections, and so are the
-    survivors of each full collection
-    (:meth:`~rechunk_p2p.worker.tuning.ProcessTuning.hold_freeze`).
+    survivors of each full collection (a hold of
+    :data:`~rechunk_p2p.worker.tuning.FREEZE_ONLY`).
 
     A full collection walks every tracked object of the process and stops its threads,
     the event loop included. The scheduler's process holds distributed's state of every
@@ -51,28 +51,32 @@ class SchedulerTuning:
     def __init__(self, tasks: Callable[[], dict], runs_open: Callable[[], bool]) -> None:
         self._tasks = tasks
         self._runs_open = runs_open
-        self.held = False
+        self._hold: TuningHold | None = None
         self._barriers: set[Any] = set()  # barrier keys of graphs not settled yet
         self._task: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
         with _LIVE_LOCK:
             _LIVE.add(self)
 
+    @property
+    def held(self) -> bool:
+        """Whether this scheduler holds the freeze."""
+        return self._hold is not None
+
     def graph(self, barriers: list[Any]) -> None:
         """A graph with the rechunks of ``barriers`` arrived: freeze now (O(1)), before the
         scheduler transitions its tasks, and watch for the scheduler to be idle."""
         self._barriers.update(barriers)
-        if not self.held:
-            _process_tuning().hold_freeze()
-            self._adopt()
+        if self._hold is None:
+            self._adopt(_hold_freeze())
 
-    def _adopt(self) -> None:
-        """Count a hold of the freeze taken (here, or by :func:`materializing`) as this
+    def _adopt(self, hold: TuningHold) -> None:
+        """Keep a hold of the freeze taken (here, or by :func:`materializing`) as this
         scheduler's, and watch for it to be idle; a hold beyond the one kept is given back."""
-        if self.held:
-            _process_tuning().release_freeze()
+        if self._hold is not None:
+            hold.release()
             return
-        self.held = True
+        self._hold = hold
         self._task = asyncio.ensure_future(self._watch())
 
     def stop(self) -> None:
@@ -96,14 +100,13 @@ class SchedulerTuning:
         return bool(self._barriers)
 
     def _release(self, collect: bool) -> None:
-        if not self.held:
+        if self._hold is None:
             return
-        self.held = False
+        hold, self._hold = self._hold, None
         self._task = None
         self._barriers.clear()
-        tuning = _process_tuning()
-        tuning.release_freeze()
-        tuning.unfreeze_unused(collect=collect)
+        hold.release()
+        hold.tuning.unfreeze_unused(collect=collect)
 
     async def _watch(self) -> None:
         """Release once the scheduler has not been busy for :data:`IDLE_SECONDS`."""
@@ -119,12 +122,12 @@ class SchedulerTuning:
                 self._release(collect=True)
 
 
-def _process_tuning() -> ProcessTuning:
-    """The process's settings, imported with the first rechunk graph: the client side (which
-    also unpickles the scheduler plugin) loads no worker code."""
-    from rechunk_p2p.worker.tuning import PROCESS_TUNING
+def _hold_freeze() -> TuningHold:
+    """A hold of the process's freeze, imported with the first rechunk graph: the client
+    side (which also unpickles the scheduler plugin) loads no worker code."""
+    from rechunk_p2p.worker.tuning import FREEZE_ONLY, PROCESS_TUNING
 
-    return PROCESS_TUNING
+    return PROCESS_TUNING.acquire(FREEZE_ONLY)
 
 
 _LIVE: weakref.WeakSet[SchedulerTuning] = weakref.WeakSet()  # this process's schedulers
@@ -148,8 +151,8 @@ def materializing() -> None:
     if not live or not SchedulerSettings.read().process_tuning:
         return
     for tuning in live:
-        _process_tuning().hold_freeze()
+        hold = _hold_freeze()
         try:
-            tuning._loop.call_soon_threadsafe(tuning._adopt)
+            tuning._loop.call_soon_threadsafe(tuning._adopt, hold)
         except RuntimeError:  # its loop closed
-            _process_tuning().release_freeze()
+            hold.release()

@@ -15,7 +15,12 @@ from distributed import Client, LocalCluster
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
-from rechunk_p2p.worker.tuning import ProcessTuning, _freeze_survivors
+from rechunk_p2p.worker.tuning import (
+    FREEZE_ONLY,
+    ProcessTuning,
+    TuningOptions,
+    _freeze_survivors,
+)
 from tests.conftest import assert_clean
 
 _GATE = threading.Event()  # gen_cluster workers run in this process
@@ -127,16 +132,18 @@ def test_a_freeze_held_outlives_the_runs_of_the_same_process():
     tuning = ProcessTuning()
     before, interval = gc.get_freeze_count(), sys.getswitchinterval()
     try:
-        tuning.hold_freeze()
+        held = tuning.acquire(FREEZE_ONLY)
         assert gc.get_freeze_count() > before and not tuning.frozen_unused
-        tuning.acquire("1ms", freeze=True)
+        run = tuning.acquire(TuningOptions.for_run(True))
         assert gc.callbacks.count(_freeze_survivors) == 1
-        assert tuning.release() is None
+        assert sys.getswitchinterval() == min(interval, 0.001)
+        assert run.release() is False  # nothing to tidy: no malloc, no outputs' pages kept
         assert sys.getswitchinterval() == interval  # the run's interval is undone
         assert _freeze_survivors in gc.callbacks  # the hold goes on freezing survivors
         assert not tuning.unfreeze_unused(collect=False)
         assert gc.get_freeze_count() > before
-        tuning.release_freeze()
+        held.release()
+        assert held.release() is False and tuning.frozen_unused  # (once only)
         assert _freeze_survivors not in gc.callbacks
         assert tuning.frozen_unused
         assert tuning.unfreeze_unused(collect=False)

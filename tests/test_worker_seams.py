@@ -69,7 +69,7 @@ def seam(tmp_path):
 
     @contextlib.asynccontextmanager
     async def make(storage: str = "memory", run_id: int = 1, workers=WORKERS, columns=COLUMNS):
-        tuning_before = tuning_module.PROCESS_TUNING._users
+        tuning_before = tuning_module.PROCESS_TUNING.holds
         scheduler = FakeScheduler(make_run_spec(workers, run_id, storage, ROWS, columns))
         network = Network()
         plugins = [fake_worker(w, scheduler, network, str(tmp_path / w)) for w in workers]
@@ -119,7 +119,10 @@ def assert_nothing_left(plugins, tmp_path, tuning_before: int) -> None:
     for p in plugins:
         assert not p.runs
         assert p.dataplane.limiter.used == 0
-    assert tuning_module.PROCESS_TUNING._users == tuning_before  # every run released it
+    assert tuning_module.PROCESS_TUNING.holds == tuning_before  # every run released it
+    # the fake workers have no idle watch: unfreeze what their runs froze, as it would, so
+    # that the process is as the next test expects it
+    tuning_module.PROCESS_TUNING.unfreeze_unused(collect=False)
     leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []
 
@@ -193,15 +196,17 @@ async def test_closing_the_last_run_after_the_offload_pool_stopped_gives_back_ma
         assert malloc.held == malloc.available
         runs = [p.runs[SHUFFLE] for p in plugins]
         for plugin, run in zip(plugins, runs, strict=True):
-            release = run._on_close
+            hold = run._tuning
+            release = hold.release
 
             def stop_pool_then_release(plugin=plugin, release=release):
                 plugin.offload.shutdown()
                 return release()
 
-            run._on_close = stop_pool_then_release
+            hold.release = stop_pool_then_release
         assert [await run.close() for run in runs] == [True, True]
         assert not malloc.held
+        tuning_module.PROCESS_TUNING.tidy_blocking()  # (the trim left to the next release)
 
 
 @gen_test()

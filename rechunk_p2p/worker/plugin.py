@@ -49,8 +49,8 @@ from rechunk_p2p.worker.run import PhaseSeconds, RunStatistics, WorkerRun
 from rechunk_p2p.worker.run_factory import make_run
 from rechunk_p2p.worker.scheduler_rpc import checked as _checked
 from rechunk_p2p.worker.scheduler_rpc import error_reply, scheduler_rpc, worker_closing
-from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
+from rechunk_p2p.worker.tuning import TuningOptions
 
 logger = logging.getLogger(__name__)
 
@@ -228,14 +228,11 @@ class RechunkWorkerPlugin(WorkerPlugin):
         # The process tuning is held from the request on, not only once the run is made: a
         # run's first tasks ask for it while the scheduler is busy with the graph, and a full
         # collection of an unfrozen heap in that wait stopped the worker's loop
-        tuned = WorkerSettings.read().process_tuning
-        _tuning.acquire(GIL_SWITCH_INTERVAL if tuned else None, tuned)
+        hold = _tuning.acquire(TuningOptions.for_request(WorkerSettings.read().process_tuning))
         try:
             return await self._fetch_held(shuffle_id)
         finally:
-            trim = _tuning.release()  # the run, if one opened, holds the tuning itself
-            if trim is not None and self.offload is not None:
-                await self.offload.to_thread(trim)
+            await hold.release_and_tidy(self.offload)  # the run, if one opened, holds its own
 
     async def _fetch_held(self, shuffle_id: ShuffleId) -> WorkerRun:
         response = await scheduler_rpc(

@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
 import numpy as np
@@ -30,6 +29,7 @@ from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed, Piece, output_array
 from rechunk_p2p.worker.memory_shares import RunMemory
 from rechunk_p2p.worker.store_gate import StoreGate
+from rechunk_p2p.worker.tuning import TuningHold
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +126,9 @@ class WorkerRun:
         The pool that writes received pieces into the store.
     comm
         The run's send buffer (confined to the data plane's loop).
-    on_close
-        Called once on the event loop when the run is closed (also when freeing its buffers
-        failed); may return blocking work to follow, which runs in ``offload``.
+    tuning
+        The process tuning the run holds while it is open, released when it closes (also
+        when freeing its buffers failed).
     recent_outputs
         Outputs assembled last that the run keeps a reference to (one per task thread is
         enough): an output whose task was cancelled by a continuation just after it was
@@ -146,7 +146,7 @@ class WorkerRun:
         dataplane: DataPlane,
         offload: OffloadPool,
         comm: CommBuffer,
-        on_close: Callable[[], Callable[[], None] | None] | None = None,
+        tuning: TuningHold | None = None,
         recent_outputs: int = 4,
         memory: RunMemory | None = None,
     ) -> None:
@@ -155,7 +155,7 @@ class WorkerRun:
         self._dataplane = dataplane
         self._offload = offload
         self._comm = comm
-        self._on_close = on_close
+        self._tuning = tuning
         self._memory = memory
         self._lock = threading.Lock()
         self._phase = RunPhase.TRANSFERRING
@@ -523,12 +523,10 @@ class WorkerRun:
             try:
                 await self._offload.to_thread(self._store.close_blocking)
             finally:
-                after = self._on_close() if self._on_close is not None else None
-                if after is not None:
-                    try:
-                        await self._offload.to_thread(after)
-                    except RuntimeError:  # the pool was shut down: the worker is closing
-                        logger.debug("Run %s closed after the offload pool", self.run_id)
+                if self._memory is not None:
+                    self._memory.release()
+                if self._tuning is not None:
+                    await self._tuning.release_and_tidy(self._offload)
         return True
 
     def statistics(self) -> RunStatistics:

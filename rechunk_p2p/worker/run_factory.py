@@ -24,8 +24,8 @@ from rechunk_p2p.transport.wire import Packed
 from rechunk_p2p.worker.memory_shares import MemoryShares, RunMemory
 from rechunk_p2p.worker.run import WorkerRun
 from rechunk_p2p.worker.storage_choice import StorageChoice, direct_io, resolve_storage
-from rechunk_p2p.worker.tuning import GIL_SWITCH_INTERVAL
 from rechunk_p2p.worker.tuning import PROCESS_TUNING as _tuning
+from rechunk_p2p.worker.tuning import TuningOptions
 
 
 def make_run(
@@ -70,10 +70,6 @@ def make_run(
     memory = RunMemory(shares, budget, spill)
     memory.reserve(choice.reserved)
 
-    def on_close() -> Callable[[], None] | None:
-        memory.release()
-        return _tuning.release()
-
     shuffle_id, run_id = run_spec.shuffle_id, run_spec.run_id
 
     async def send(address: str, batch: list[Packed]) -> None:
@@ -97,14 +93,8 @@ def make_run(
         loop=dataplane.loop,
         closing=closing,
     )
-    tuned = settings.process_tuning
-    _tuning.acquire(
-        GIL_SWITCH_INTERVAL if tuned else None,
-        tuned,
-        # not on disk, chosen to hold least: a heap keeps what it held at its fullest
-        tuned and choice.kind in ("memory", "memory+disk"),
-        tuned,
-    )
+    in_memory = choice.kind in ("memory", "memory+disk")
+    tuning = _tuning.acquire(TuningOptions.for_run(settings.process_tuning, in_memory))
     run = WorkerRun(
         run_spec,
         worker.address,
@@ -112,7 +102,7 @@ def make_run(
         dataplane,
         offload,
         comm,
-        on_close=on_close,
+        tuning=tuning,
         recent_outputs=max(getattr(worker, "nthreads", 1), 1),
         memory=memory,
     )

@@ -11,15 +11,21 @@ garbage collection.
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
-
-from dask.utils import parse_timedelta
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rechunk_p2p.store.allocator import MallocTuning
 from rechunk_p2p.store.pages import OUTPUT_PAGES
+
+if TYPE_CHECKING:
+    from rechunk_p2p.offload import OffloadPool
+
+logger = logging.getLogger(__name__)
 
 #: The interpreter's GIL switch interval while a run is open (Python's default is 5 ms):
 #: the worker's event loop waits less for the GIL behind task, data-plane and offload
@@ -31,71 +37,173 @@ GIL_SWITCH_INTERVAL = 0.001
 _MAX_FROZEN_OBJECTS = 2_000_000
 
 
+@dataclass(frozen=True)
+class TuningOptions:
+    """**Immutable.** What one holder asks of the process tuning (see :class:`ProcessTuning`).
+
+    Parameters
+    ----------
+    switch_interval
+        The GIL switch interval while held, in seconds (the shorter of it and the
+        interpreter's); ``None`` leaves it.
+    freeze
+        Objects frozen out of full collections, and the survivors of each one while held.
+    malloc
+        glibc's malloc thresholds held (arrays up to 32 MiB from memory freed before).
+    output_pages
+        The pages of freed output chunks kept for the next outputs.
+    """
+
+    switch_interval: float | None = None
+    freeze: bool = False
+    malloc: bool = False
+    output_pages: bool = False
+
+    @classmethod
+    def for_run(cls, enabled: bool, pieces_in_memory: bool = False) -> TuningOptions:
+        """A run's (``worker.process-tuning``: ``enabled``): everything, and malloc's
+        thresholds where it keeps pieces in memory (not on disk, chosen to hold least: a heap
+        keeps what it held at its fullest)."""
+        if not enabled:
+            return cls()
+        return cls(GIL_SWITCH_INTERVAL, True, pieces_in_memory, True)
+
+    @classmethod
+    def for_request(cls, enabled: bool) -> TuningOptions:
+        """A worker's request for a run, until the run holds its own: the interval and the
+        freeze (a run's first tasks ask while the scheduler is busy with the graph, and a
+        full collection of an unfrozen heap in that wait stopped the worker's loop)."""
+        return cls(GIL_SWITCH_INTERVAL, True) if enabled else cls()
+
+
+#: The freeze alone: a scheduler's, while a rechunk is on it
+FREEZE_ONLY = TuningOptions(freeze=True)
+
+
+class TuningHold:
+    """**Thread-safe (guarded by its tuning's lock).** One holder's claim on the process
+    tuning (:meth:`ProcessTuning.acquire`), given back once by :meth:`release`."""
+
+    def __init__(self, tuning: ProcessTuning, options: TuningOptions) -> None:
+        self.tuning = tuning
+        self.options = options
+        self.released = False
+
+    def release(self) -> bool:
+        """Give the settings back (where no other holder holds them); returns whether
+        blocking tidy-up is owed (:meth:`ProcessTuning.tidy_blocking`, for a thread).
+        Idempotent."""
+        return self.tuning._release(self)
+
+    async def release_and_tidy(self, offload: OffloadPool | None) -> None:
+        """:meth:`release`, then the tidy-up owed in ``offload`` (left to the next run's
+        release when there is no pool, or it was shut down: the worker is closing)."""
+        if self.release() and offload is not None:
+            try:
+                await offload.to_thread(self.tuning.tidy_blocking)
+            except RuntimeError:
+                logger.debug("Process tuning released after the offload pool stopped")
+
+
 class ProcessTuning:
     """**Thread-safe (guarded by `_lock`)**, but for ``survivors_frozen``, which only the
     garbage collector's callback changes (it cannot take the lock: a collection may start
     in a thread that holds it; collections never overlap, and the callback holds the GIL)
     and :meth:`unfreeze_unused` resets. Interpreter settings that keep the event loop
-    responsive, applied while any run is open in this process, or being asked for, and
-    undone when the last one closes, so that other work on the cluster sees the interpreter
-    as its user set it.
+    responsive, applied while anything holds them (:meth:`acquire`: an open run, a request
+    for one, a scheduler with a rechunk), each while at least one holder asked for it, and
+    undone when the last such holder releases, so that other work on the cluster sees the
+    interpreter as its user set it.
 
     - The GIL switch interval: a thread waiting for the GIL (the event loop, after its timer
       fired) waits up to one interval per hand-over while task, data-plane and offload
       threads run Python code; a shorter interval bounds how long the loop waits.
     - ``gc.freeze``: every full garbage collection walks every tracked object of the process
-      and stops all its threads, the loop included. Freezing the objects that exist when the
-      first run opens (modules, distributed's own state, the user's data) leaves them out of
-      later collections, and freezing the survivors of each full collection while runs are
-      open keeps the next one to what was made since: distributed's per-task state grows
+      and stops all its threads, the loop included. Freezing the objects that exist when
+      the first holder asks (modules, distributed's own state, the user's data) leaves them
+      out of later collections, and freezing the survivors of each full collection while
+      held keeps the next one to what was made since: distributed's per-task state grows
       with every task the worker holds, and with tens of thousands of tasks a full
-      collection of it stalls the loop visibly. The objects are also frozen when a transfer task
-      reaches the worker (:meth:`freeze_early`): a worker takes a graph's task messages in
-      one step of its loop, and their allocations can set off a full collection before its
-      first run opens. Garbage cycles among frozen objects wait for ``gc.unfreeze``, which
-      hands everything back to the oldest generation, and the full collection that follows
-      (:meth:`unfreeze_unused`); both wait until no run has been open for a while, when
-      the worker is idle (right after a run, the collection would stop the next one's
-      first steps). At most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as they
-      are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL.
-    - glibc's malloc thresholds (:class:`~rechunk_p2p.store.allocator.MallocTuning`), when
-      the first run keeps pieces in memory (``memory``, ``memory+disk``): arrays up to
-      32 MiB come from memory freed before instead of fresh pages; the free memory is given
-      back when the last run closes.
+      collection of it stalls the loop visibly. The objects are also frozen when a transfer
+      task reaches the worker (:meth:`freeze_early`): a worker takes a graph's task messages
+      in one step of its loop, and their allocations can set off a full collection before
+      its first run opens. Garbage cycles among frozen objects wait for ``gc.unfreeze``,
+      which hands everything back to the oldest generation, and the full collection that
+      follows (:meth:`unfreeze_unused`); both wait until nothing has held the tuning for a
+      while, when the worker is idle (right after a run, the collection would stop the next
+      one's first steps). At most ``_MAX_FROZEN_OBJECTS`` survivors are frozen, counted as
+      they are: ``gc.get_freeze_count`` walks every frozen object, holding the GIL.
+    - glibc's malloc thresholds (:class:`~rechunk_p2p.store.allocator.MallocTuning`):
+      arrays up to 32 MiB come from memory freed before instead of fresh pages; the free
+      memory is given back (:meth:`tidy_blocking`) when the last holder releases them.
+    - The pages of freed output chunks, kept for the next outputs
+      (:data:`~rechunk_p2p.store.pages.OUTPUT_PAGES`), unmapped by :meth:`tidy_blocking`.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._users = 0
-        self._freezers = 0  # holders of the freeze alone (a scheduler, see hold_freeze)
-        self._switch: float | None = None
-        self._frozen = False  # objects frozen (by a run, or early), not yet unfrozen
+        self._holds = 0  # holders, whatever they asked for
+        self._asked: Counter[str] = Counter()  # holders per option
+        self._switch: float | None = None  # the interval to restore
+        self._frozen = False  # objects frozen (by a holder, or early), not yet unfrozen
         self._collecting = False  # survivors of full collections are frozen too
-        #: survivors frozen since the first run opened (``_freeze_survivors`` adds to it)
+        #: survivors frozen since the first holder froze (``_freeze_survivors`` adds to it)
         self.survivors_frozen = 0
         self.malloc = MallocTuning()
-        self._output_pages = False  # OUTPUT_PAGES opened by a run
+        self._owed: list[Callable[[], None]] = []  # blocking tidy-up for tidy_blocking
 
-    def acquire(
-        self, interval: Any, freeze: bool, malloc: bool = False, output_pages: bool = False
-    ) -> None:
-        """A run opens: apply the settings (the GIL switch ``interval``, ``None`` to leave
-        it; whether to ``freeze`` survivors of collections; whether to hold ``malloc``'s
-        thresholds; whether to keep freed outputs' pages for the next outputs)."""
+    def acquire(self, options: TuningOptions) -> TuningHold:
+        """Apply what ``options`` asks for (each setting once, whoever asks first) until the
+        hold returned is released."""
         with self._lock:
-            self._users += 1
-            if malloc:  # also when another run, or a run's request, holds the rest
-                self.malloc.hold()
-            if output_pages and not self._output_pages:
-                OUTPUT_PAGES.open()
-                self._output_pages = True
-            if self._users > 1:
-                return
-            if interval is not None:
+            self._holds += 1
+            if options.switch_interval is not None and not self._asked["switch"]:
                 self._switch = sys.getswitchinterval()
-                sys.setswitchinterval(min(parse_timedelta(interval), self._switch))
-            if freeze:
+                sys.setswitchinterval(min(options.switch_interval, self._switch))
+            if options.freeze:
                 self._freeze_collecting()
+            if options.malloc:
+                self.malloc.hold()
+            if options.output_pages:
+                OUTPUT_PAGES.open()
+            self._asked.update(_asked(options))
+        return TuningHold(self, options)
+
+    def _release(self, hold: TuningHold) -> bool:
+        """Undo what ``hold`` asked for, where no other holder asks for it (but the freeze
+        itself, see :meth:`unfreeze_unused`)."""
+        with self._lock:
+            if hold.released:
+                return False
+            hold.released = True
+            self._holds -= 1
+            self._asked.subtract(_asked(hold.options))
+            options, asked = hold.options, self._asked
+            if options.switch_interval is not None and not asked["switch"] and self._switch:
+                sys.setswitchinterval(self._switch)
+                self._switch = None
+            if options.freeze and not asked["freeze"] and self._collecting:
+                gc.callbacks.remove(_freeze_survivors)
+                self._collecting = False
+            if options.output_pages and (unmap := OUTPUT_PAGES.close()) is not None:
+                self._owed.append(unmap)
+            if options.malloc and not asked["malloc"] and self.malloc.release():
+                self._owed.append(self.malloc.trim_blocking)
+            return bool(self._owed)
+
+    @property
+    def holds(self) -> int:
+        """Holds not released yet."""
+        with self._lock:
+            return self._holds
+
+    def tidy_blocking(self) -> None:
+        """The blocking work owed by releases: unmap the freed outputs' pages kept, give
+        back the memory malloc kept. In a thread."""
+        with self._lock:
+            owed, self._owed = self._owed, []
+        for work in owed:
+            work()
 
     def _freeze_collecting(self) -> None:
         """Freeze now, and the survivors of full collections from now on (holding the lock).
@@ -105,65 +213,19 @@ class ProcessTuning:
             gc.callbacks.append(_freeze_survivors)
         self._frozen = self._collecting = True
 
-    def hold_freeze(self) -> None:
-        """Freeze the objects (and survivors of full collections) until
-        :meth:`release_freeze`, leaving the other settings alone: the scheduler's process,
-        while a rechunk is on the scheduler (it may host workers too: the freeze lasts until
-        neither holds it)."""
-        with self._lock:
-            self._freezers += 1
-            self._freeze_collecting()
-
-    def release_freeze(self) -> None:
-        """Undo one :meth:`hold_freeze` but the freeze itself (see :meth:`unfreeze_unused`)."""
-        with self._lock:
-            self._freezers -= 1
-            if not self._freezers and not self._users and self._collecting:
-                gc.callbacks.remove(_freeze_survivors)
-                self._collecting = False
-
-    def release(self) -> Callable[[], None] | None:
-        """A run closed; when it was the last, undo the settings but the freeze (see
-        :meth:`unfreeze_unused`). Returns blocking work to run in a thread: unmapping the
-        freed outputs' pages kept, and giving back the memory malloc kept."""
-        with self._lock:
-            self._users -= 1
-            if self._users:
-                return None
-            if self._switch is not None:
-                sys.setswitchinterval(self._switch)
-                self._switch = None
-            if self._collecting and not self._freezers:
-                gc.callbacks.remove(_freeze_survivors)
-                self._collecting = False
-            unmap = None
-            if self._output_pages:
-                unmap = OUTPUT_PAGES.close()
-                self._output_pages = False
-            trim = self.malloc.trim_blocking if self.malloc.release() else None
-        if unmap is None or trim is None:
-            return unmap or trim
-
-        def unmap_and_trim_blocking() -> None:
-            unmap()
-            trim()
-
-        return unmap_and_trim_blocking
-
     def freeze_early(self) -> None:
         """A transfer task reached the worker: freeze the objects that exist, unless a run
         holds the settings already. O(1); undone by :meth:`unfreeze_unused`."""
         with self._lock:
-            if not self._users and not self._freezers:
+            if not self._holds:
                 gc.freeze()
                 self._frozen = True
 
     @property
     def frozen_unused(self) -> bool:
-        """Objects are frozen and no run (or request for one) holds the settings, nor any
-        holder the freeze."""
+        """Objects are frozen and nothing holds the tuning."""
         with self._lock:
-            return self._frozen and not self._users and not self._freezers
+            return self._frozen and not self._holds
 
     def freeze_for_exit(self) -> None:
         """The process is about to exit: freeze every object. Python's exit collects the
@@ -174,11 +236,11 @@ class ProcessTuning:
             self._frozen = True
 
     def unfreeze_unused(self, collect: bool = True) -> bool:
-        """When no run holds the settings, nor a holder the freeze: unfreeze, and if
+        """When nothing holds the tuning: unfreeze, and if
         ``collect``, collect what the runs left (a full collection, which stops every thread
         of the process; else the interpreter's next one does). Returns whether it unfroze."""
         with self._lock:
-            if self._users or self._freezers or not self._frozen:
+            if self._holds or not self._frozen:
                 return False
             gc.unfreeze()
             self._frozen = False
@@ -186,6 +248,13 @@ class ProcessTuning:
         if collect:
             gc.collect()
         return True
+
+
+def _asked(options: TuningOptions) -> list[str]:
+    """The options ``options`` asks for, as counted per option."""
+    names = ("switch", "freeze", "malloc", "pages")
+    flags = (options.switch_interval is not None, options.freeze, options.malloc)
+    return [name for name, on in zip(names, (*flags, options.output_pages)) if on]
 
 
 def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
