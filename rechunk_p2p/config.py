@@ -54,11 +54,13 @@ def direct_io() -> bool | None:
 
 #: Settings that are gone, and what replaced them: one warning each when still set
 REMOVED = {
-    "worker.gil-switch-interval": "worker.process-tuning (the interval is 1 ms while a run is "
-    "open)",
-    "worker.gc-freeze": "worker.process-tuning",
-    "worker.malloc-reuse": "worker.process-tuning",
-    "worker.output-reuse": "worker.process-tuning",
+    "worker.gil-switch-interval": "process-tuning (the interval is 1 ms while a run is open)",
+    "worker.gc-freeze": "process-tuning",
+    "worker.malloc-reuse": "process-tuning",
+    "worker.output-reuse": "process-tuning",
+    "worker.process-tuning": "process-tuning (one setting for workers and the scheduler)",
+    "scheduler.process-tuning": "process-tuning (one setting for workers and the scheduler)",
+    "offload-threads": "OFFLOAD_THREADS in rechunk_p2p/worker/plugin.py (2 threads, fixed)",
     "comm.retry-count": "comm.timeout (retries back off from 100 ms to 5 s within it)",
     "comm.retry-delay-min": "comm.timeout (retries back off from 100 ms to 5 s within it)",
     "comm.retry-delay-max": "comm.timeout (retries back off from 100 ms to 5 s within it)",

@@ -57,7 +57,7 @@ class SchedulerSettings:
         """The current settings, checked (see :meth:`ClientSettings.read`)."""
         return cls(
             assign_transfers=config.get_count("scheduler.assign-transfers"),
-            process_tuning=_flag("scheduler.process-tuning"),
+            process_tuning=_flag("process-tuning"),
         )
 
 
@@ -77,7 +77,6 @@ DISK_BUFFER_FRACTION = 1 / 16
 class WorkerSettings:
     """**Immutable.** The settings a worker reads."""
 
-    offload_threads: int
     buffer_bytes: int
     concurrency: int
     ports: range
@@ -93,7 +92,6 @@ class WorkerSettings:
     def read(cls) -> WorkerSettings:
         """The current settings, checked (see :meth:`ClientSettings.read`)."""
         return cls(
-            offload_threads=_positive("offload-threads", config.get_count("offload-threads")),
             buffer_bytes=_positive("comm.buffer-bytes-limit", _bytes("comm.buffer-bytes-limit")),
             concurrency=_positive("comm.concurrency", config.get_count("comm.concurrency")),
             ports=config.port_range("dataplane.port"),
@@ -105,7 +103,7 @@ class WorkerSettings:
             disk_write_buffer_bytes=_bytes("disk-write-buffer-bytes"),
             direct_io=config.direct_io(),
             storage_memory_fraction=_fraction("storage-memory-fraction"),
-            process_tuning=_flag("worker.process-tuning"),
+            process_tuning=_flag("process-tuning"),
         )
 
     def send_buffer_bytes(self, memory_limit: float | None) -> int:

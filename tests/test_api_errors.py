@@ -99,9 +99,8 @@ def test_a_removed_setting_still_set_warns_once_and_is_ignored():
         ("worker", "comm.concurrency", 0, "> 0"),
         ("worker", "dataplane.connections", 0, "> 0"),
         ("worker", "comm.timeout", "soon", "is 'soon'; give a duration"),
-        ("worker", "worker.process-tuning", "yes", "give true or false"),
+        ("worker", "process-tuning", "yes", "give true or false"),
         ("worker", "disk-write-buffer-bytes", "-1MiB", "give a size >= 0"),
-        ("worker", "offload-threads", 2.5, "whole number"),
         ("worker", "storage-memory-fraction", 1.5, r"give a number in \(0, 1\]"),
         ("worker", "storage-memory-fraction", "half", r"give a number in \(0, 1\]"),
         ("worker", "disk-direct-io", "sometimes", "choose one of auto, true, false"),
@@ -110,7 +109,7 @@ def test_a_removed_setting_still_set_warns_once_and_is_ignored():
         ("client", "transfer-group-bytes", "lots", "lots"),
         ("client", "comm.run-buffer-bytes", "0B", "give a positive size or null"),
         ("scheduler", "scheduler.assign-transfers", -1, "whole number"),
-        ("scheduler", "scheduler.process-tuning", "on", "give true or false"),
+        ("scheduler", "process-tuning", "on", "give true or false"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_key(side, key, value, message):

@@ -1,9 +1,16 @@
-"""The package says it is typed, and carries its license."""
+"""The package says it is typed, carries its license, has its version in one place, and its
+pre-commit hooks run ruff and the type check."""
 
 from __future__ import annotations
 
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
+
+import yaml
+
+import rechunk_p2p
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_package_is_marked_typed():
@@ -14,3 +21,17 @@ def test_the_license_is_the_one_pyproject_names():
     root = Path(__file__).resolve().parent.parent
     assert 'license = { text = "BSD-3-Clause" }' in (root / "pyproject.toml").read_text()
     assert (root / "LICENSE").read_text().startswith("BSD 3-Clause License")
+
+
+def test_the_version_is_written_once():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and "\nversion = " not in pyproject
+    assert metadata.version("rechunk_p2p") == rechunk_p2p.__version__
+    assert f"({rechunk_p2p.__version__})" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_pre_commit_runs_ruff_and_the_type_check():
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    entries = [hook["entry"] for repo in config["repos"] for hook in repo["hooks"]]
+    assert "ruff check --fix" in entries and "ruff format" in entries
+    assert any("tests/test_typing.py" in entry for entry in entries)

@@ -309,7 +309,7 @@ async def test_a_run_on_disk_leaves_malloc_alone(c, s, a, b):
     await assert_clean(s, a, b)
 
 
-@gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.worker.process-tuning": False})
+@gen_cluster(client=True, nthreads=NTHREADS_2, config={"rechunk-p2p.process-tuning": False})
 async def test_freed_outputs_are_kept_only_while_a_run_is_open_and_reuse_is_on(c, s, a, b):
     from rechunk_p2p.store.pages import OUTPUT_PAGES
 
@@ -321,7 +321,7 @@ async def test_freed_outputs_are_kept_only_while_a_run_is_open_and_reuse_is_on(c
     await fut
     del fut
     await assert_clean(s, a, b)
-    with dask.config.set({"rechunk-p2p.worker.process-tuning": True}):
+    with dask.config.set({"rechunk-p2p.process-tuning": True}):
         fut = await _open_gated_run(c, a, b)
         assert OUTPUT_PAGES.keeping
         _TUNING_GATE.set()

@@ -96,7 +96,7 @@ async def test_outputs_held_after_the_rechunk_let_the_scheduler_go_idle(c, s, a)
 @gen_cluster(
     client=True,
     nthreads=[("127.0.0.1", 1)],
-    config={"rechunk-p2p.scheduler.process-tuning": False},
+    config={"rechunk-p2p.process-tuning": False},
 )
 async def test_the_scheduler_leaves_its_process_alone_when_told(c, s, a):
     await rechunk_p2p.register(c)

@@ -45,7 +45,7 @@ class IdleWatch:
     and after :data:`CONNECTIONS_IDLE_SECONDS` the closing of idle connections.
 
     ``freeze_early``: the process's objects are frozen when a graph with a rechunk is
-    announced or one of its transfer tasks arrives (``worker.process-tuning``).
+    announced or one of its transfer tasks arrives (``process-tuning``).
     """
 
     def __init__(self, plugin: RechunkWorkerPlugin, freeze_early: bool) -> None:

@@ -61,7 +61,7 @@ class TuningOptions:
 
     @classmethod
     def for_run(cls, enabled: bool, pieces_in_memory: bool = False) -> TuningOptions:
-        """A run's (``worker.process-tuning``: ``enabled``): everything, and malloc's
+        """A run's (``process-tuning``: ``enabled``): everything, and malloc's
         thresholds where it keeps pieces in memory (not on disk, chosen to hold least: a heap
         keeps what it held at its fullest)."""
         if not enabled:
