@@ -6,6 +6,7 @@ from __future__ import annotations
 from importlib import metadata, resources
 from pathlib import Path
 
+import pytest
 import yaml
 
 import rechunk_p2p
@@ -24,8 +25,9 @@ def test_the_license_is_the_one_pyproject_names():
 
 
 def test_the_version_is_written_once():
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'dynamic = ["version"]' in pyproject and "\nversion = " not in pyproject
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
     assert metadata.version("rechunk_p2p") == rechunk_p2p.__version__
     assert f"({rechunk_p2p.__version__})" in (ROOT / "CHANGELOG.md").read_text()
 
