@@ -7,11 +7,14 @@ array data. Dask arrays go to :mod:`rechunk_p2p.arrays`, xarray objects to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rechunk_p2p.arrays import plan_array, rechunk_array
 from rechunk_p2p.cluster import cluster_statistics, register
 from rechunk_p2p.planning import RechunkPlan
+
+if TYPE_CHECKING:
+    from rechunk_p2p.integrations.xarray import DatasetRechunkPlan
 
 __all__ = ["cluster_statistics", "plan", "rechunk", "register"]
 
@@ -85,7 +88,7 @@ def plan(
     block_size_limit: int | None = None,
     balance: bool = False,
     n_workers: int | None = None,
-) -> RechunkPlan:
+) -> RechunkPlan | DatasetRechunkPlan:
     """Describe what ``rechunk(x, chunks, ...)`` would do, without building or running it.
 
     Parameters
@@ -98,7 +101,7 @@ def plan(
 
     Returns
     -------
-    RechunkPlan
+    RechunkPlan or DatasetRechunkPlan
         Immutable; its repr is a readable summary (an HTML table in notebooks). For an
         xarray object, a ``DatasetRechunkPlan``: one plan per variable that changes, and
         totals.

@@ -35,7 +35,7 @@ def storage(value: str | None = None) -> Storage:
         raise RechunkInputError(
             f"{source} is {chosen!r}; choose one of {', '.join(STORAGE_CHOICES)}"
         )
-    return chosen  # type: ignore[return-value]  # (checked against the choices above)
+    return chosen  # (checked against the choices above)
 
 
 def direct_io() -> bool | None:

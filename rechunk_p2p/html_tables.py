@@ -12,7 +12,7 @@ from html import escape
 def table_html(
     title: str,
     rows: Sequence[tuple[str, str]],
-    detail: tuple[Sequence[str], Sequence[Sequence[str]]] | None = None,
+    detail: tuple[Sequence[str], Sequence[Sequence[object]]] | None = None,
 ) -> str:
     """A titled two-column table of ``(label, value)`` rows, and optionally a second table
     ``(header, rows)`` below it. Every string is escaped.

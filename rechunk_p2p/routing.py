@@ -90,9 +90,9 @@ def install() -> None:
     with _lock:
         if _swapped:
             return
-        package = importlib.import_module("dask.array")  # (not imported by this package)
+        package: Any = importlib.import_module("dask.array")  # (not imported by this package)
         for module in _targets():
-            original = module.rechunk
+            original: Callable[..., Any] = module.rechunk
             router = _router(original)
             _swapped.append((module, original, router))
             module.rechunk = router

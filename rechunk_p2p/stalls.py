@@ -149,12 +149,15 @@ class StallWatch:
     def start(self) -> None:
         from tornado.ioloop import PeriodicCallback
 
-        self._callback = PeriodicCallback(self.check, CHECK_SECONDS * 1000)
+        self._callback = PeriodicCallback(self._tick, CHECK_SECONDS * 1000)
         self._callback.start()
 
     def stop(self) -> None:
         if self._callback is not None:
             self._callback.stop()
+
+    def _tick(self) -> None:
+        self.check()
 
     def check(self, now: float | None = None) -> list[Stall]:
         """One look; the stalls seen."""

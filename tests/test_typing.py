@@ -23,25 +23,11 @@ ROOT = pathlib.Path(rechunk_p2p.__file__).parent.parent
 #: transport, cutting and planning layers are checked in full.
 OWED = frozenset(
     {
-        "rechunk_p2p/api.py",
-        "rechunk_p2p/config.py",
-        "rechunk_p2p/diagnostics/dashboard.py",
-        "rechunk_p2p/diagnostics/live_view.py",
-        "rechunk_p2p/diagnostics/loop_probe.py",
-        "rechunk_p2p/diagnostics/perf_report.py",
         "rechunk_p2p/graph.py",
         "rechunk_p2p/holders.py",
         "rechunk_p2p/integrations/demo.py",
-        "rechunk_p2p/integrations/local_client.py",
         "rechunk_p2p/integrations/xarray.py",
-        "rechunk_p2p/integrations/zarr_destination.py",
-        "rechunk_p2p/integrations/zarr_input.py",
-        "rechunk_p2p/integrations/zarr_report.py",
-        "rechunk_p2p/integrations/zarr_target.py",
-        "rechunk_p2p/integrations/zarr_writes.py",
-        "rechunk_p2p/routing.py",
         "rechunk_p2p/sources.py",
-        "rechunk_p2p/stalls.py",
     }
 )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from dask.utils import format_bytes
@@ -94,12 +95,12 @@ class RechunkPage:
         from bokeh.models import (
             ColumnDataSource,
             DataRange1d,
-            Div,
             FactorRange,
             NumeralTickFormatter,
             Range1d,
-            Span,
         )
+        from bokeh.models.annotations import Span
+        from bokeh.models.widgets.markups import Div
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -107,12 +108,14 @@ class RechunkPage:
         self.runs = ColumnDataSource(_runs_data(LiveView((), ())), name="rechunk-p2p-runs")
         self.workers = ColumnDataSource(_workers_data(LiveView((), ())), name="rechunk-p2p-workers")
         self.summary = Div(text="No rechunk yet.", name="rechunk-p2p-summary")
+        self._open_runs = FactorRange(factors=[])  # the progress chart's rows
+        self._workers = FactorRange(factors=[])  # the per-worker charts' rows
         # an HTML table: Bokeh's DataTable does not redraw rows whose number did not change
         self.table = Div(text=_runs_html(self.runs.data), name="rechunk-p2p-run-table")
         self.progress = figure(
             title="Progress of the open runs: transfers, then outputs assembled",
-            y_range=FactorRange(factors=[]),
-            x_range=(0, 1),
+            y_range=self._open_runs,
+            x_range=Range1d(start=0, end=1),
             height=220,
             tools="",
             sizing_mode="stretch_width",
@@ -140,7 +143,7 @@ class RechunkPage:
                 ("memory budget", "@memory_budget{0.0 b}"),
                 ("queued to send", "@queued_text / @buffer_limit_text"),
             ],
-            y_range=FactorRange(factors=[]),
+            y_range=self._workers,
             x_range=DataRange1d(start=0),
         )
         self.bytes.hbar_stack(
@@ -167,8 +170,8 @@ class RechunkPage:
             f"Per worker: event-loop lag over the last 10 s (ms; mark at {LAG_MARK_MS})",
             "rechunk-p2p-worker-lag",
             [("p99", "@lag_p99_ms{0.0} ms"), ("max", "@lag_max_ms{0.0} ms")],
-            y_range=self.bytes.y_range,
-            x_range=Range1d(0, LAG_AXIS_MS, bounds=(0, None)),
+            y_range=self._workers,
+            x_range=Range1d(start=0, end=LAG_AXIS_MS, bounds=(0, None)),
         )
         self.lag.hbar(
             y="address",
@@ -204,8 +207,8 @@ class RechunkPage:
         self.runs.data = _runs_data(view)
         self.workers.data = _workers_data(view)
         self.table.text = _runs_html(self.runs.data)
-        self.progress.y_range.factors = [r.label for r in view.runs if r.phase in _OPEN]
-        self.bytes.y_range.factors = [w.address for w in view.workers]
+        self._open_runs.factors = [r.label for r in view.runs if r.phase in _OPEN]
+        self._workers.factors = [w.address for w in view.workers]
         self.summary.text = _summary(view)
 
 
@@ -225,7 +228,7 @@ def _per_worker(figure: Any, title: str, name: str, tooltips: list, **ranges: An
     )
 
 
-def _runs_html(data: dict[str, list]) -> str:
+def _runs_html(data: Mapping[str, Any]) -> str:
     """The runs as an HTML table, newest first."""
     cell = "padding:2px 12px;text-align:left;border-bottom:1px solid #ddd"
     head = "".join(f'<th style="{cell}">{html.escape(t)}</th>' for _, t in _RUN_COLUMNS)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rechunk_p2p.diagnostics.live import METRIC
-from rechunk_p2p.spec import barrier_key
+from rechunk_p2p.spec import ShuffleId, barrier_key
 
 #: How long a finished run stays listed
 FINISHED_SECONDS = 600.0
@@ -147,7 +147,7 @@ def _beats(scheduler: Any) -> dict[str, dict]:
     return {addr: ws.metrics.get(METRIC) or {} for addr, ws in scheduler.workers.items()}
 
 
-def _progress(scheduler: Any, shuffle_id: str) -> tuple[int, int, int, int]:
+def _progress(scheduler: Any, shuffle_id: ShuffleId) -> tuple[int, int, int, int]:
     """Transfers and outputs of a sub-shuffle: total and done each, from its barrier."""
     barrier = scheduler.tasks.get(barrier_key(shuffle_id))
     if barrier is None:

@@ -24,6 +24,7 @@ import logging
 import sys
 import threading
 import time
+from types import FrameType
 from typing import Any
 
 from rechunk_p2p.diagnostics import gc_pauses
@@ -69,7 +70,8 @@ class _UnresponsiveFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith(_UNRESPONSIVE_PREFIX):
             args = record.args if isinstance(record.args, tuple) else ()
-            duration = float(args[1]) if len(args) > 1 else 0.0
+            value = args[1] if len(args) > 1 else 0.0
+            duration = float(value) if isinstance(value, (int, float, str)) else 0.0
             key = _emitting_server() or (args[0] if args else "?")
             entry = self.counts.setdefault(key, [0, 0.0])
             entry[0] += 1
@@ -92,7 +94,7 @@ class _UnresponsiveFilter(logging.Filter):
 
 def _emitting_server() -> int | None:
     """``id`` of the server whose ``_measure_tick`` is on the stack, if any."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(12):
         if frame is None:
             return None

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.spec import PLUGIN_NAME
@@ -99,7 +100,7 @@ class performance_report:  # lower case, as distributed's: used the same way
 
         client = self._get_client()
         ids = await client.run_on_scheduler(runs_since, self._start)
-        table = _table(await report(client), ids)
+        table = _table(await cast(Awaitable[Any], report(client)), ids)  # (async client)
         html = await client.run_on_scheduler(render_on_scheduler, self._start, self.mode, table)
         self.filename.write_text(html)
 
@@ -133,7 +134,7 @@ def render_on_scheduler(since: float, mode: str, table: str, dask_scheduler: Any
     report), as standalone HTML."""
     from bokeh.embed import file_html
     from bokeh.layouts import column
-    from bokeh.models import Div
+    from bokeh.models.widgets.markups import Div
     from bokeh.resources import CDN, INLINE
 
     from rechunk_p2p.diagnostics.dashboard import RechunkPage

@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
 import distributed
 
@@ -134,7 +135,7 @@ def _require_main_guard() -> None:
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and not (
         frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
     ):

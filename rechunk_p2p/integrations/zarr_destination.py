@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zarr
+from zarr.abc.store import Store
 
 from rechunk_p2p.errors import RechunkInputError, RechunkTypeError
 from rechunk_p2p.integrations.zarr_writes import is_unfinished
@@ -107,7 +108,7 @@ class Target:
                 shutil.rmtree(self.path, ignore_errors=True)
             elif os.path.exists(self.path):
                 os.remove(self.path)
-        elif isinstance(self.location, zarr.abc.store.Store):
+        elif isinstance(self.location, Store):
             from zarr.core.sync import sync
 
             sync(self.location.clear())
@@ -136,7 +137,7 @@ def _local_or_store(target: Any, storage_options: Mapping[str, Any] | None = Non
             "the target is an in-memory store: workers would write to copies of it; "
             "write to a path or a store the workers share"
         )
-    if not isinstance(target, zarr.abc.store.Store):
+    if not isinstance(target, Store):
         raise RechunkTypeError(
             f"target must be a path, URL or zarr store, not {type(target).__name__}"
         )

@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import zarr
 from dask.array.core import normalize_chunks
@@ -22,6 +22,9 @@ from rechunk_p2p import config
 from rechunk_p2p.chunk_sizes import check_chunk_sizes
 from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.integrations.zarr_destination import Target, is_url, local_root
+
+#: A zarr format this engine reads and writes
+ZarrFormat = Literal[2, 3]
 
 __all__ = [
     "ARRAY_OPTIONS",
@@ -47,7 +50,7 @@ class ZarrRechunkJob:
 
     root: zarr.Array | zarr.Group
     layouts: tuple[ArrayLayout, ...]
-    zarr_format: int
+    zarr_format: ZarrFormat
     array_options: Mapping[str, Any]
     dest: Target
 
@@ -105,8 +108,8 @@ def open_source(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
-            options = {"storage_options": dict(storage_options)} if storage_options else {}
-            return zarr.open(source, mode="r", **options)
+            options = dict(storage_options) if storage_options else None
+            return zarr.open(source, mode="r", storage_options=options)
     except (FileNotFoundError, zarr.errors.BaseZarrError) as e:
         raise RechunkInputError(f"source {source!r} is not a zarr array or group ({e})") from e
 
@@ -156,10 +159,10 @@ def dimension_names(arr: zarr.Array) -> tuple[str | None, ...] | None:
     """Dimension names of ``arr``: ``dimension_names`` (format 3) or the
     ``_ARRAY_DIMENSIONS`` attribute (format 2, as written by xarray), else ``None``."""
     if arr.metadata.zarr_format == 3:
-        names = arr.metadata.dimension_names
+        names: Any = getattr(arr.metadata, "dimension_names", None)  # (format 3's field)
     else:
         names = arr.attrs.get("_ARRAY_DIMENSIONS")
-    if names is None or len(names) != arr.ndim:
+    if not isinstance(names, list | tuple) or len(names) != arr.ndim:
         return None
     return tuple(names)
 
@@ -370,10 +373,11 @@ def _dims_suffix(dims: tuple[str | None, ...] | None) -> str:
 
 def _target_format(
     root: zarr.Array | zarr.Group, zarr_format: int | None, layouts: tuple[ArrayLayout, ...]
-) -> int:
-    fmt = root.metadata.zarr_format if zarr_format is None else zarr_format
-    if fmt not in (2, 3):
+) -> ZarrFormat:
+    asked = root.metadata.zarr_format if zarr_format is None else zarr_format
+    if asked not in (2, 3):
         raise RechunkInputError(f"zarr_format must be 2 or 3, not {zarr_format!r}")
+    fmt: ZarrFormat = 2 if asked == 2 else 3
     if fmt == 2:
         sharded = [lay.name or "the array" for lay in layouts if lay.shards and lay.rechunked]
         if sharded:

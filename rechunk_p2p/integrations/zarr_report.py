@@ -88,7 +88,7 @@ class ZarrRechunkReport:
             f"  throughput: {format_bytes(int(self.throughput))}/s"
             if self.seconds > 0
             else "  throughput: n/a",
-            f"  sent between workers: {format_bytes(self.statistics.get('bytes_sent', 0))}",
+            f"  sent between workers: {format_bytes(int(self.statistics.get('bytes_sent', 0)))}",
             f"  spilled to disk:      {format_bytes(self.bytes_spilled)}",
             _lag_text(self.loop_lag),
         ]
@@ -104,7 +104,8 @@ class ZarrRechunkReport:
         from rechunk_p2p.html_tables import table_html
 
         title, *summary = str(self).splitlines()
-        rows = [tuple(part.strip() for part in line.split(":", 1)) for line in summary]
+        cells = (line.partition(":") for line in summary)
+        rows = [(label.strip(), value.strip()) for label, _, value in cells]
         arrays = [
             (a.name, a.chunks, a.shards or "", "rechunked" if a.rechunked else "copied")
             for a in self.arrays

@@ -7,12 +7,13 @@ rechunk (consolidating the target's metadata where the source's was).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import zarr
 
 from rechunk_p2p.integrations.zarr_input import (
     ArrayLayout,
+    ZarrFormat,
     ZarrRechunkJob,
     dimension_names,
     local_root,
@@ -42,10 +43,12 @@ def open_target(job: ZarrRechunkJob) -> list[zarr.Array]:
     if isinstance(job.root, zarr.Array):
         return [zarr.open_array(location, mode="r+", zarr_format=job.zarr_format)]
     group = zarr.open_group(location, mode="r+", zarr_format=job.zarr_format)
-    return [group[lay.name] for lay in job.layouts]
+    return [cast(zarr.Array, group[lay.name]) for lay in job.layouts]  # (made as arrays)
 
 
-def _array_kwargs(layout: ArrayLayout, fmt: int, options: Mapping[str, Any]) -> dict[str, Any]:
+def _array_kwargs(
+    layout: ArrayLayout, fmt: ZarrFormat, options: Mapping[str, Any]
+) -> dict[str, Any]:
     """Keyword arguments of ``create_array`` that reproduce the source in the new layout."""
     src = layout.source
     attrs = dict(src.attrs)

@@ -21,7 +21,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import dask.array as da
 import numpy as np
@@ -31,6 +31,7 @@ from dask.array.core import ArraySliceDep
 from dask.base import tokenize
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
+from zarr.abc.store import Store
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
@@ -44,18 +45,18 @@ WRITE_PREFIX = "rechunk_p2p-write"
 _FORMAT = 1
 
 
-def root_store(location: Any) -> zarr.abc.store.Store:
+def root_store(location: Any) -> Store:
     """The zarr store at a target's ``location`` (a local path, or a store as it is)."""
     if isinstance(location, str | os.PathLike):
         return zarr.storage.LocalStore(os.fspath(location))
     return location
 
 
-def _put(store: zarr.abc.store.Store, key: str, data: bytes) -> None:
+def _put(store: Store, key: str, data: bytes) -> None:
     sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
 
 
-def read_run_record(store: zarr.abc.store.Store) -> dict[str, Any] | None:
+def read_run_record(store: Store) -> dict[str, Any] | None:
     """The run record of an unfinished target, ``None`` if it has none (finished, or not
     made by this engine)."""
     data = sync(store.get(RUN_RECORD, prototype=default_buffer_prototype()))
@@ -79,12 +80,12 @@ def is_unfinished(location: Any) -> bool:
         return False
 
 
-def write_run_record(store: zarr.abc.store.Store, record: dict[str, Any]) -> None:
+def write_run_record(store: Store, record: dict[str, Any]) -> None:
     """Mark the target as an unfinished run (before anything else is written)."""
     _put(store, RUN_RECORD, json.dumps({"format": _FORMAT, **record}, sort_keys=True).encode())
 
 
-def finish_run(store: zarr.abc.store.Store) -> None:
+def finish_run(store: Store) -> None:
     """Remove the completion records, then the run record (last: the target is whole)."""
     sync(store.delete_dir(DONE))
     sync(store.delete(RUN_RECORD))
@@ -150,7 +151,7 @@ def check_resumable(found: dict[str, Any] | None, wanted: dict[str, Any], where:
                 )
 
 
-def done_chunks(store: zarr.abc.store.Store, n_arrays: int) -> list[set[tuple[int, ...]]]:
+def done_chunks(store: Store, n_arrays: int) -> list[set[tuple[int, ...]]]:
     """Per array, the chunk (or shard) indices whose write completed."""
 
     async def keys() -> list[str]:
@@ -180,7 +181,7 @@ def remove_torn_writes(location: Any) -> int:
     if not isinstance(location, str | os.PathLike):
         return 0  # object stores write a key whole or not at all
     removed = 0
-    for folder, _, files in os.walk(location):
+    for folder, _, files in os.walk(os.fspath(location)):
         for name in files:
             if _TORN.search(name):
                 with contextlib.suppress(FileNotFoundError):
@@ -245,8 +246,9 @@ def write_arrays(
         record = None if store is None else _Record(store, index)
         name = f"{WRITE_PREFIX}-{tokenize(array.name, target, record)}"
         written.append(
-            array.map_blocks(
+            da.map_blocks(
                 _write_block,
+                array,
                 target,
                 ArraySliceDep(array.chunks),
                 record,
@@ -275,14 +277,14 @@ def missing_keys(
     return graph, keys
 
 
-def consolidate(location: Any, fmt: int) -> None:
+def consolidate(location: Any, fmt: Literal[2, 3]) -> None:
     """Write the target's consolidated metadata (the source had it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
         zarr.consolidate_metadata(location, zarr_format=fmt)
 
 
-def finished(location: Any, consolidate_as: int | None, *flags: Any) -> dict[str, int]:
+def finished(location: Any, consolidate_as: Literal[2, 3] | None, *flags: Any) -> dict[str, int]:
     """The last task of a lazy run: consolidate the metadata (if ``consolidate_as``, the
     zarr format), then remove the run's records; a count of the chunks written."""
     if consolidate_as is not None:
