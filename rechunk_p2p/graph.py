@@ -33,9 +33,11 @@ import dask.array as da
 import numpy as np
 from dask._task_spec import GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, Layer
+from dask.typing import Key
 from dask.utils import key_split
 
 from rechunk_p2p import scheduler_tuning, tasks
+from rechunk_p2p.config import Storage
 from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.holders import HeldChunks, group_holders, partial_transfers
 from rechunk_p2p.planning import Partial, RechunkPlan
@@ -123,7 +125,7 @@ class RechunkLayer(Layer):
         input_name: str,
         plan: RechunkPlan,
         token: str,
-        storage: str,
+        storage: Storage,
         unknown_axes: tuple[int, ...] = (),
         keep: frozenset[tuple[int, ...]] | None = None,
         annotations: Mapping[str, Any] | None = None,
@@ -148,7 +150,7 @@ class RechunkLayer(Layer):
         self.sources = sources if plan.groups is not None else None
         self.held = held if self.sources is None and not unknown_axes else None
         if self.held is not None and plan.groups is not None:
-            self._groups_held = self.held.joined(plan.groups)
+            self._groups_held: HeldChunks | None = self.held.joined(plan.groups)
         else:
             self._groups_held = self.held
         self.group_bytes = group_bytes
@@ -275,7 +277,7 @@ class RechunkLayer(Layer):
         transfers = []
         for flat in spec.inputs:
             index = partial.input_index(flat)
-            key = (transfers_name, *index)
+            key: Key = (transfers_name, *index)
             if self.plan.groups is None:
                 source: TaskRef | GraphNode = TaskRef((self.input_name, *index))
             else:
@@ -388,7 +390,7 @@ class RechunkLayer(Layer):
         (added to ``dsk``) that makes and joins the chunks of group ``index``."""
         if self.plan.groups is None:
             return TaskRef((self.input_name, *index))
-        key = (JOINED_PREFIX + self.token, *index)
+        key: Key = (JOINED_PREFIX + self.token, *index)
         if key not in dsk:
             dsk[key] = self._made(index, tasks.join, key)
         return TaskRef(key)
@@ -409,6 +411,7 @@ class RechunkLayer(Layer):
         chunks = list(itertools.product(*members))
         grid = tuple(len(m) for m in members)
         boxed = self._box(chunks, grid) if len(chunks) > 1 else None
+        made: list[GraphNode | TaskRef]
         if boxed is not None:  # the inputs made and joined, an elementwise step applied once
             made, grid = [boxed], (1,) * len(grid)
         elif (
@@ -432,7 +435,7 @@ def build_rechunk(
     x: da.Array,
     plan: RechunkPlan,
     token: str,
-    storage: str,
+    storage: Storage,
     new_chunks: tuple[tuple[float, ...], ...] | None = None,
     unknown_axes: tuple[int, ...] = (),
     sources: InputSources | None = None,
@@ -468,5 +471,6 @@ def build_rechunk(
         return da.Array(graph, name, new_chunks or plan.new_chunks, meta=x._meta)
     # An array without elements gets empty chunks that read no input: then x is no dependency.
     reads_x = plan.nbytes > 0
-    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x] if reads_x else [])
+    dependencies: list[Any] = [x] if reads_x else []  # (dask types them as its protocol)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=dependencies)
     return da.Array(graph, name, new_chunks or plan.new_chunks, meta=x._meta)

@@ -73,12 +73,14 @@ def find_held(x: da.Array) -> HeldChunks | None:
     if not keys or not isinstance(graph, HighLevelGraph):
         return None
     made = None
-    futures = [graph.get(k) for k in keys]
+    futures: list[Any] = [graph.get(k) for k in keys]
     if not all(isinstance(f, Future) for f in futures):
         made = _derived_tasks(x, graph, keys, Future)
         if made is None:
             return None
         futures = [graph.get(next(iter(own))) for own, _ in made.values()]
+    if not futures or not all(isinstance(f, Future) for f in futures):
+        return None
     client: Any = futures[0].client
     if getattr(client, "asynchronous", True) or getattr(client, "status", None) != "running":
         return None  # (an asynchronous client cannot answer while the graph is built)
@@ -144,7 +146,7 @@ def held_transfers(
             alone.append((flat,))
         else:
             by_worker.setdefault(worker, []).append(flat)
-    groups = list(alone)
+    groups: list[tuple[int, ...]] = list(alone)
     for worker, members in by_worker.items():
         n = len(members)
         count = min(n, max(math.ceil(n / max(per_task, 1)), 2 * threads.get(worker, 1)))

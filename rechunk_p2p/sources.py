@@ -13,12 +13,13 @@ made that way and hands over the tasks that make them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import dask.array as da
 import numpy as np
@@ -28,6 +29,7 @@ from dask.array.core import getter
 from dask.blockwise import Blockwise, blockwise_token, optimize_blockwise
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
+from dask.typing import Key
 
 from rechunk_p2p.errors import RechunkTypeError
 from rechunk_p2p.zarr_reads import read_box_blocking
@@ -76,7 +78,7 @@ class InputSources:
         first, last = chunks[0], chunks[-1]
         if any(b - a + 1 != n for a, b, n in zip(first, last, grid)):
             return None
-        key = (layer.output, *first)
+        key: Key = (layer.output, *first)
         culled, _ = layer.cull({key}, [])
         task = dict(culled).get(key)
         if not isinstance(task, Task):
@@ -86,12 +88,23 @@ class InputSources:
         return _widened(task, start, box)
 
 
+def _varying(layer: Blockwise) -> list[tuple[str, tuple[Any, ...]]]:
+    """The inputs of ``layer`` that vary with the block, and their indices (dask types an
+    input's name as a key or a reference; one that varies is an array's name)."""
+    return [(cast(str, name), tuple(index)) for name, index in layer.indices if index is not None]
+
+
+def _all_keys(name: str, blocks: Sequence[int]) -> list[tuple[Any, ...]]:
+    """Every key of array ``name`` with ``blocks`` blocks along each axis."""
+    return [(name, *i) for i in itertools.product(*(range(n) for n in blocks))]
+
+
 def _slice_dep(layer: Blockwise) -> Any:
     """The one input of ``layer`` that varies with the block: dask's slices of an array
     object, indexed like the output; ``None`` where another input varies too."""
     from dask.layers import ArraySliceDep
 
-    varying = [(name, index) for name, index in layer.indices if index is not None]
+    varying = _varying(layer)
     if len(varying) != 1:
         return None
     name, index = varying[0]
@@ -182,27 +195,15 @@ def _through_steps(
     step = _what(layer.output)
     if layer.concatenate or layer.new_axes:
         return f"step {step!r} joins chunks or adds axes"
-    aligned = {
-        dep
-        for dep, index in layer.indices
-        if index is not None and dep in deps and tuple(index) == tuple(layer.output_indices)
-    }
-    if not aligned or any(
-        dep in aligned and tuple(index) != tuple(layer.output_indices)
-        for dep, index in layer.indices
-        if index is not None
-    ):
+    varying = _varying(layer)
+    own = tuple(layer.output_indices)
+    aligned = {dep for dep, index in varying if dep in deps and index == own}
+    if not aligned or any(dep in aligned and index != own for dep, index in varying):
         return f"step {step!r} reads chunks at other places than its own (a transpose, overlap)"
     inner = {}
     for dep in aligned:
         blocks = layer.numblocks[dep]
-        made = _sources_in(
-            fused,
-            dep,
-            lambda dep=dep, blocks=blocks: [
-                (dep, *i) for i in itertools.product(*(range(n) for n in blocks))
-            ],
-        )
+        made = _sources_in(fused, dep, functools.partial(_all_keys, dep, blocks))
         if isinstance(made, str):
             return made
         inner[dep] = made
@@ -245,7 +246,7 @@ class ChainedTasks(Mapping[Any, Any]):
         if self._template is None:
             return None
         template, tokens = self._template
-        subs = {
+        subs: dict[Key, Key | GraphNode] = {
             token: Task(None, join, grid, *(self._inputs[name].task((name, *k[1:])) for k in keys))
             for token, name in tokens.items()
         }
@@ -275,14 +276,14 @@ def _box_template(step: Blockwise, inputs: set[str]) -> tuple[Task, dict[str, st
     task = getattr(step, "task", None)
     if not isinstance(task, Task):
         return None
-    subs: dict[str, Any] = {}
+    subs: dict[Key, Key | GraphNode] = {}
     tokens: dict[str, str] = {}
     for i, (arg, index) in enumerate(step.indices):
         token = blockwise_token(i)
         if index is not None:
             if arg not in inputs:
                 return None
-            tokens[token] = arg
+            tokens[token] = cast(str, arg)  # (an input that varies: an array's name)
         elif isinstance(arg, (GraphNode, TaskRef)) or np.ndim(arg) != 0:
             return None
         else:

@@ -16,7 +16,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import dask.array as da
 import numpy as np
@@ -25,6 +25,7 @@ from dask.utils import format_bytes
 
 from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.integrations.zarr import ZarrRechunkReport, rechunk_zarr
+from rechunk_p2p.integrations.zarr_input import dimension_names
 
 N_LAT, N_LON = 180, 360
 #: Spatial chunks of the time series, finest last; the first that keeps chunks small wins.
@@ -104,7 +105,7 @@ def generate(work: str, size: int) -> DemoSource:
         },
     )
     values = _expected(source.shape, maps.chunks)
-    da.store(values, maps, lock=False)  # on the cluster of the default client
+    da.store(values, cast(Any, maps), lock=False)  # (a zarr array takes the blocks)
     with warnings.catch_warnings():  # consolidated metadata is not yet in the v3 spec
         warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
         zarr.consolidate_metadata(source.path)
@@ -114,7 +115,9 @@ def generate(work: str, size: int) -> DemoSource:
 def rechunk(source: DemoSource, work: str, *, storage: str | None = None) -> ZarrRechunkReport:
     """Rechunk the maps to time series with :func:`rechunk_zarr` on the current cluster."""
     target = os.path.join(work, "timeseries.zarr")
-    return rechunk_zarr(source.path, target, source.target_chunks, storage=storage)
+    report = rechunk_zarr(source.path, target, source.target_chunks, storage=storage)
+    assert isinstance(report, ZarrRechunkReport)  # (computed: not a lazy ZarrRechunk)
+    return report
 
 
 def verify(source: DemoSource, target: str) -> None:
@@ -129,20 +132,18 @@ def verify(source: DemoSource, target: str) -> None:
     tgt = zarr.open_group(target, mode="r")
     problems = []
     for name in ("time", "lat", "lon", VARIABLE):
-        a, b = src[name], tgt[name]
-        if (
-            dict(a.attrs) != dict(b.attrs)
-            or a.metadata.dimension_names != b.metadata.dimension_names
-        ):
+        a, b = _array(src, name), _array(tgt, name)
+        if dict(a.attrs) != dict(b.attrs) or dimension_names(a) != dimension_names(b):
             problems.append(f"{name}: attributes or dimension names differ")
     for name in ("time", "lat", "lon"):
-        if not np.array_equal(src[name][:], tgt[name][:]):
+        if not np.array_equal(_array(src, name)[:], _array(tgt, name)[:]):
             problems.append(f"coordinate {name} differs")
     chunks = source.target_chunks
     want = (source.n_time, chunks["lat"], chunks["lon"])
-    if tuple(tgt[VARIABLE].chunks) != want:
-        problems.append(f"{VARIABLE} has chunks {tgt[VARIABLE].chunks}, not {want}")
-    in_source, in_target = da.compute(_mismatches(src[VARIABLE]), _mismatches(tgt[VARIABLE]))
+    variable = _array(tgt, VARIABLE)
+    if tuple(variable.chunks) != want:
+        problems.append(f"{VARIABLE} has chunks {variable.chunks}, not {want}")
+    in_source, in_target = da.compute(_mismatches(_array(src, VARIABLE)), _mismatches(variable))
     if in_source or in_target:
         problems.append(
             f"{in_target:,} values of the target and {in_source:,} of the source "
@@ -158,8 +159,16 @@ def _mismatches(arr: zarr.Array) -> da.Array:
     return (stored != _expected(arr.shape, arr.chunks)).sum()
 
 
+def _array(group: zarr.Group, name: str) -> zarr.Array:
+    """The array ``name`` of ``group``; a group there fails the check."""
+    node = group[name]
+    if not isinstance(node, zarr.Array):
+        raise RechunkRunError(f"{name} is a group, not an array")
+    return node
+
+
 def _coordinates(group: zarr.Group, n_time: int) -> None:
-    coords = {
+    coords: dict[str, tuple[np.ndarray, dict[str, Any]]] = {
         "time": (
             np.arange(n_time, dtype="int32"),
             {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import xarray as xr
 from dask.utils import format_bytes
@@ -87,7 +87,7 @@ def rechunk_xarray(
         out.encoding = dict(new.encoding)
         return out
     data_vars = {
-        name: _rechunk_variable(name, var, by_dim, kwargs) for name, var in obj.data_vars.items()
+        name: _rechunk_variable(name, obj.variables[name], by_dim, kwargs) for name in obj.data_vars
     }
     return obj.assign_coords(coords).assign(data_vars)
 
@@ -279,7 +279,9 @@ def _rechunk_variable(
         data = rechunk_array(var.data, axes, **kwargs)
     except RechunkInputError as e:
         raise _for_variable(e, name, var.dims, var.data) from None
-    new = var.copy(deep=False, data=data)  # a copy even if unchanged: the encoding changes
+    # a copy even if unchanged: the encoding changes (xarray types ``data`` as its own duck
+    # array protocols, which a dask array follows)
+    new = var.copy(deep=False, data=cast(Any, data))
     new.encoding = _layout_encoding(var.encoding, var.dims, data.chunks)
     return new
 
