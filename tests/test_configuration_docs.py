@@ -1,5 +1,6 @@
 """docs/configuration.md lists every setting of the YAML of defaults, with its default, and
-says how many there are; the YAML's comments use the code's word for what moves (pieces)."""
+says how many there are; the YAML's comments use the code's word for what moves (pieces); the
+benchmark docs are current tables, not logs."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ def test_every_setting_is_documented_with_its_default_and_counted():
 def test_the_defaults_speak_of_pieces():
     comments = [line for line in DEFAULTS.read_text().splitlines() if "#" in line]
     assert not [line for line in comments if "shard" in line.lower()]
+
+
+def test_the_benchmark_docs_state_the_present():
+    # current tables, the commands that make them and what they mean; dated runs live in git
+    for name in ("performance.md", "scaling.md"):
+        lines = (ROOT / "docs" / name).read_text().splitlines()
+        assert len(lines) <= 250, (name, len(lines))
+        assert any(
+            line.startswith("PYTHONPATH=. .venv/bin/python -m integration.") for line in lines
+        )
