@@ -429,10 +429,10 @@ async def test_outputs_assembled_before_a_continuation_are_kept_for_it(seam, tmp
         # run 2's tasks of the same outputs get the results; the store was read once each
         assert await unpack(a, a_outputs[0], 2) is done
         assert await unpack(a, a_outputs[1], 2) is assembled
-        assert not run._kept
+        assert not run._results._kept
         # an output assembled before that was not kept: the scheduler hears which one, and
         # where (it continues the run to assemble it again elsewhere)
-        run._assembled.add(a_outputs[0])
+        run._results._assembled.add(a_outputs[0])
         with pytest.raises(Reschedule):
             await unpack(a, a_outputs[0], 2)
         assert scheduler.lost == [(2, a_outputs[0], a.worker.address)]

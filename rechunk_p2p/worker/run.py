@@ -12,7 +12,6 @@ import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import astuple, dataclass, field
 
 import numpy as np
@@ -28,6 +27,7 @@ from rechunk_p2p.transport.comm import CommBuffer, CommStatistics
 from rechunk_p2p.transport.dataplane import DataPlane
 from rechunk_p2p.transport.wire import Packed, Piece, output_array
 from rechunk_p2p.worker.memory_shares import RunMemory
+from rechunk_p2p.worker.outputs import RunOutputs
 from rechunk_p2p.worker.store_gate import StoreGate
 from rechunk_p2p.worker.tuning import TuningHold
 
@@ -164,14 +164,7 @@ class WorkerRun:
         self._bytes_local = 0
         self._bytes_received = 0
         self._seconds = dict.fromkeys(("cut", "queue_wait", "store", "assemble"), 0.0)
-        # outputs assembled here (their pieces are gone), and outputs assembled for a run
-        # this one continues, kept for the continued run's task of the same output
-        self._assembled: set[int] = set()
-        self._kept: dict[int, np.ndarray] = {}
-        self._keep_when_done: set[int] = set()
-        self._assembling: set[int] = set()
-        self._recent: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._recent_outputs = recent_outputs
+        self._results = RunOutputs(recent_outputs)
         # buffers the task threads cut input chunks into, used again (see InputCutter)
         # (recent_outputs is the worker's number of task threads: a thread's buffer is free
         # again about two inputs later, when that input's batches were delivered); the idle
@@ -301,11 +294,7 @@ class WorkerRun:
         :class:`OutputConsumedError`.
         """
         self._raise_if_closed()
-        with self._lock:
-            kept = self._kept.pop(flat, None)
-            consumed = kept is None and flat in self._assembled
-            if kept is None and not consumed:
-                self._assembling.add(flat)
+        kept, consumed = self._results.begin(flat)
         if kept is not None:
             return kept
         if consumed:
@@ -317,19 +306,9 @@ class WorkerRun:
         try:
             out = self._assemble_blocking(flat)
         except BaseException:
-            with self._lock:
-                self._assembling.discard(flat)
+            self._results.failed(flat)
             raise
-        with self._lock:  # one step: keep_outputs sees the output assembling or assembled
-            self._assembling.discard(flat)
-            self._assembled.add(flat)
-            if flat in self._keep_when_done:
-                self._keep_when_done.discard(flat)
-                self._kept[flat] = out
-            else:
-                self._recent[flat] = out
-                while len(self._recent) > self._recent_outputs:
-                    self._recent.popitem(last=False)
+        self._results.done(flat, out)
         return out
 
     def _assemble_blocking(self, flat: int) -> np.ndarray:
@@ -368,14 +347,12 @@ class WorkerRun:
             # an output assembled here before that comes back to be assembled again (its
             # result was lost): its pieces are sent anew, and stored as new ones (a few
             # outputs' bookkeeping under the store's lock, rare: on the worker's loop)
-            back = [
+            mine = [
                 flat
                 for flat in run_spec.reassigned(self.run_spec)
-                if flat in self._assembled and run_spec.worker_for(flat) == self.worker_address
+                if run_spec.worker_for(flat) == self.worker_address
             ]
-            if back:
-                self._store.forget_outputs_blocking(back)
-                self._assembled.difference_update(back)
+            self._results.take_back(mine, self._store.forget_outputs_blocking)
             self._take_moved(run_spec)
             self.run_spec = run_spec  # (after the store: a receiver reads the spec first)
             self._set_phase_locked(RunPhase.TRANSFERRING)
@@ -432,20 +409,9 @@ class WorkerRun:
         The scheduler releases their tasks as it continues the run, and the worker drops their
         results, but their pieces are gone. ``held`` are results the worker holds; the others
         are taken from the outputs assembled last, or kept when their assembly, running now,
-        finishes. Returns how many were kept now.
+        finishes (:meth:`RunOutputs.keep`). Returns how many were kept now.
         """
-        kept = 0
-        with self._lock:
-            for flat in outputs:
-                value = held.get(flat)
-                if value is None:
-                    value = self._recent.pop(flat, None)
-                if value is not None:
-                    self._kept[flat] = value
-                    kept += 1
-                elif flat in self._assembling:
-                    self._keep_when_done.add(flat)
-        return kept
+        return self._results.keep(outputs, held)
 
     # --- data plane loop ----------------------------------------------------------------------
 
@@ -513,9 +479,7 @@ class WorkerRun:
             self._set_phase(RunPhase.CLOSED)
         except StaleRunError:
             return False  # closed already
-        with self._lock:
-            self._kept.clear()
-            self._recent.clear()
+        self._results.clear()
         self._cuts.close()
         try:
             await on_loop(self._dataplane.loop, self._comm.close)
