@@ -22,47 +22,29 @@ directory. A store may write and read its file unbuffered instead (``direct_io``
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 import pickle
 import tempfile
 import threading
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rechunk_p2p.errors import RechunkStorageError
 from rechunk_p2p.offload import OffloadPool
-from rechunk_p2p.store.base import (
-    Piece,
-    StoreKind,
-    StoreStatistics,
-    check_piece,
-    closed_error,
+from rechunk_p2p.store.base import Piece, StoreKind, StoreStatistics, check_piece, closed_error
+from rechunk_p2p.store.disk_blocks import ENTRY, Block
+from rechunk_p2p.store.disk_buffer import WriteBuffer
+from rechunk_p2p.store.disk_parts import (
+    DATA_FILE,
+    STORE_IO_THREADS,
+    PieceIndex,
+    SpillFile,
+    StoreCore,
 )
-from rechunk_p2p.store.direct import (
-    DirectFile,
-    aligned_up,
-    open_direct,
-    worth_direct,
-)
-from rechunk_p2p.store.disk_blocks import (
-    ENTRY,
-    Block,
-    Group,
-)
-from rechunk_p2p.store.disk_buffer import DiskWriteBuffer, Pending
 from rechunk_p2p.store.disk_reads import DiskReads
-from rechunk_p2p.store.files import (
-    make_store_directory,
-    pwritev_all,
-    remove_blocking,
-    safe_name,
-)
-from rechunk_p2p.store.ledger import PieceLedger, pair_keys
+from rechunk_p2p.store.ledger import pair_keys
 from rechunk_p2p.store.reading import read_output_blocking
 from rechunk_p2p.transport.wire import (
     Packed,
@@ -75,35 +57,23 @@ from rechunk_p2p.transport.wire import (
 if TYPE_CHECKING:
     from rechunk_p2p.spec import ShuffleSpec
 
-DATA_FILE = "pieces.bin"
-
-_WRITE_ADVICE = (
-    "Free space on that disk, point the worker's local directory elsewhere "
-    "(`dask worker --local-directory ...` or the `temporary-directory` config), or "
-    'buffer pieces in memory with dask.config.set({"rechunk-p2p.storage": "memory"}).'
-)
+__all__ = ["DATA_FILE", "STORE_IO_THREADS", "DiskPieceStore"]
 
 
-#: Threads of a worker's store I/O pool: a read runs up to
-#: :data:`~rechunk_p2p.store.direct.READS_IN_FLIGHT` extents at once, and each store has one
-#: background write in flight; the rest let two stores write beside a read.
-STORE_IO_THREADS = 6
+class DiskPieceStore:
+    """**Thread-safe (guarded by `_core.lock`).** Spills pieces to one file under
+    ``directory``; composed of owned parts: what they share (:class:`StoreCore`: the lock,
+    whether closed, the I/O in flight, the ledger), the data file (:class:`SpillFile`), the
+    index of where each piece lies (:class:`PieceIndex`), the write buffer
+    (:class:`~rechunk_p2p.store.disk_buffer.WriteBuffer`) and the reads
+    (:class:`~rechunk_p2p.store.disk_reads.DiskReads`).
 
-
-class DiskPieceStore(DiskWriteBuffer, DiskReads):
-    """**Thread-safe (guarded by `_lock`).** Spills pieces to one file under ``directory``.
-
-    ``_lock`` guards the index, the reserved end of the file, the counters, the set of
-    stored ``(output, input)`` pairs and the number of I/O operations in flight; it is never
-    held during I/O or while the index is sorted. ``_create_lock`` only serialises the
-    one-time creation of the directory and the data file on the first write; ``_sort_lock``
-    lets one reader at a time sort what was written since the last read. :meth:`close_blocking`
-    waits (on ``_idle``, a condition of ``_lock``) until no I/O is in flight before closing
-    the file, so a file descriptor is never closed under a reader or writer.
-
-    The index holds no Python object per piece: writes append rows of :data:`ENTRY` (one
-    array per write call), and the first read after writes sorts them by output and input
-    once and files them under their outputs.
+    ``_core.lock`` is never held during I/O or while the index is sorted;
+    :meth:`close_blocking` waits (on ``_core.idle``) until no I/O is in flight before closing
+    the file, so a file descriptor is never closed under a reader or writer. The index holds
+    no Python object per piece: writes append rows of :data:`ENTRY` (one array per write
+    call), and the first read after writes sorts them by output and input once and files
+    them under their outputs.
 
     Parameters
     ----------
@@ -148,34 +118,14 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         parent = tempfile.gettempdir() if directory is None else os.fspath(directory)
         self.directory = os.path.abspath(parent)
         self._pickled = self.dtype.hasobject
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._create_lock = threading.Lock()
-        self._sort_lock = threading.Lock()
-        self._closed = False
+        self._core = StoreCore(self.kind, name)
+        self._file = SpillFile(self.directory, name, direct_io, io_pool)
+        self._index = PieceIndex()
+        self._buffer = WriteBuffer(
+            self._core, self._index, buffer_bytes, self._write_rows_blocking, self._file.io_pool
+        )
+        self._reads = DiskReads(self._core, self._index, self._file, self._buffer, self.dtype)
         self._close_done = threading.Event()
-        self._inflight = 0
-        self._shared_io = io_pool
-        self._own_io: OffloadPool | None = None
-        self._end = 0
-        self._buffer_bytes = int(buffer_bytes)
-        self._pending: list[Pending] = []  # not written yet
-        self._pending_bytes = 0
-        self._flushing = 0  # bytes of the background write in flight
-        self._flush_error: BaseException | None = None
-        self._unsorted: list[np.ndarray] = []  # ENTRY rows written since the last sort
-        self._index: dict[int, list[np.ndarray]] = {}  # output -> sorted ENTRY rows
-        self._groups: list[Group] = []  # the groups that ENTRY rows name (disk_blocks)
-        self._held: set[int] = set()  # outputs with spilled pieces not read yet
-        self._shapes: list[tuple[int, ...]] = []
-        self._shape_ids: dict[tuple[int, ...], int] = {}
-        self._ledger = PieceLedger()
-        self._fd: int | None = None
-        self._direct_io = direct_io  # None until the first write decides (auto)
-        self._direct: DirectFile | None = None  # once the file is open unbuffered too
-        self._direct_file: DirectFile | None = None  # the same, kept after a fallback
-        self._path: str | None = None
-        self._finalizer: weakref.finalize | None = None
 
     def __repr__(self) -> str:
         return f"<DiskPieceStore {self.name!r} dtype={self.dtype} path={self.path!r}>"
@@ -183,7 +133,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
     @property
     def path(self) -> str | None:
         """The store's own directory, or ``None`` before the first write."""
-        return self._path
+        return self._file.path
 
     # -- writing -----------------------------------------------------------------------
 
@@ -214,7 +164,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         for packed in batch:
             packed = in_order(packed, self.dtype)  # (pieces one after another, as filed)
             sizes = packed_sizes(packed, self.dtype)
-            if self._buffer_bytes > 0 and packed.regular:
+            if self._buffer.buffer_bytes > 0 and packed.regular:
                 total += self._append_block_blocking(packed, int(sizes[0]))
                 continue
             total += self._append_blocking(
@@ -235,11 +185,12 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         per piece, or one buffer holding them all); ``sizes`` are their byte counts."""
         if not outputs:
             return 0
-        with self._lock:
-            if self._closed:
+        core = self._core
+        with core.lock:
+            if core.closed:
                 raise closed_error(self.kind, self.name, "write pieces")
-            admitted = self._ledger.admit_keys(pair_keys(outputs, inputs))
-            shape_ids = self._shape_ids_locked(shapes)
+            admitted = core.ledger.admit_keys(pair_keys(outputs, inputs))
+        shape_ids = self._index.shape_ids(shapes)
         rows = np.empty(len(outputs), dtype=ENTRY)
         rows["output"], rows["input"], rows["nbytes"] = outputs, inputs, sizes
         rows["shape"], rows["group"] = shape_ids, -1
@@ -250,16 +201,16 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         total = int(rows["nbytes"].sum())
         if not len(rows):
             return 0
-        if self._buffer_bytes <= 0:
+        if self._buffer.buffer_bytes <= 0:
             self._write_rows_blocking(rows, [memoryview(p).cast("B") for p in payloads])
-            with self._lock:
+            with core.lock:
                 # closed while writing: accepted, and dropped by the close (nothing held)
-                if not self._closed:
-                    self._held.update(rows["output"].tolist())
-                self._ledger.stored(len(rows), total, held=not self._closed)
+                if not core.closed:
+                    core.held.update(rows["output"].tolist())
+                core.ledger.stored(len(rows), total, held=not core.closed)
             return total
         views = _piece_views(payloads, rows["nbytes"])
-        return self._gather_blocking(
+        return self._buffer.gather_blocking(
             (rows, views), rows["output"], total, lambda: pair_keys(rows["output"], rows["input"])
         )
 
@@ -268,11 +219,12 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         :class:`~rechunk_p2p.store.disk_blocks.Block`: no index row or view per piece."""
         outputs = output_array(packed)
         input_ = packed.inputs[0]
-        with self._lock:
-            if self._closed:
+        core = self._core
+        with core.lock:
+            if core.closed:
                 raise closed_error(self.kind, self.name, "write pieces")
-            admitted = self._ledger.admit_batch(input_, outputs)
-            (shape_id,) = self._shape_ids_list_locked(packed.shapes[:1])
+            admitted = core.ledger.admit_batch(input_, outputs)
+        (shape_id,) = self._index.shape_ids_list(packed.shapes[:1])
         payload = packed.payload.reshape(-1).view(np.uint8)
         if admitted is not None:  # some were stored before: keep the others only
             payload = payload.reshape(len(outputs), size)[admitted].reshape(-1)
@@ -280,7 +232,7 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         if not len(outputs):
             return 0
         block = Block(outputs, input_, int(shape_id), size, payload)
-        return self._gather_blocking(
+        return self._buffer.gather_blocking(
             block, outputs, block.nbytes, lambda: pair_keys(outputs, input_)
         )
 
@@ -296,60 +248,25 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         if pairs is None:
             pairs = functools.partial(pair_keys, rows["output"], rows["input"])
         total = int(rows["nbytes"].sum())
-        with self._lock:
-            if self._closed:
-                self._ledger.forget_keys(pairs())
+        core = self._core
+        with core.lock:
+            if core.closed:
+                core.ledger.forget_keys(pairs())
                 raise closed_error(self.kind, self.name, "write pieces")
-            if self._direct_io is None:
-                self._direct_io = worth_direct(total, len(np.unique(rows["output"])))
-            start = self._end
-            # unbuffered writes start at aligned offsets (the last block padded)
-            self._end += aligned_up(total) if self._direct_io else total
-            self._inflight += 1
+            core.inflight += 1
+        start = self._file.reserve(total, len(np.unique(rows["output"])))
         rows["offset"] = start + np.cumsum(rows["nbytes"]) - rows["nbytes"]
         try:
-            fd = self._ensure_file_blocking()
-            self._write_at_blocking(fd, views, start)
+            fd = self._file.ensure_blocking()
+            self._file.write_at_blocking(fd, views, start)
         except OSError as exc:
-            with self._lock:
-                self._ledger.forget_keys(pairs())
-                self._release_locked()
-            raise self._storage_error(exc, f"write {total} bytes of pieces") from exc
-        with self._lock:
-            self._unsorted.append(rows)
-            self._release_locked()
-
-    def _write_at_blocking(self, fd: int, views: list[memoryview], start: int) -> None:
-        """Write ``views`` at ``start``: unbuffered if the store is, falling back to the
-        page cache for good if the file system turns out to refuse it (``EINVAL``)."""
-        direct = self._direct
-        if direct is not None:
-            try:
-                direct.write_blocking(views, start)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                with self._lock:
-                    self._direct = None  # reads of what was written work either way
-        pwritev_all(fd, views, start)
-
-    def _shape_ids_locked(self, shapes: Sequence[tuple[int, ...]]) -> list[int] | int:
-        """Ids of ``shapes`` in the store's table of shapes (one id when they are all one)."""
-        if shapes and all(s == shapes[0] for s in shapes):
-            return self._shape_ids_list_locked(shapes[:1])[0]
-        return self._shape_ids_list_locked(shapes)
-
-    def _shape_ids_list_locked(self, shapes: Sequence[tuple[int, ...]]) -> list[int]:
-        """The id of each of ``shapes`` in the store's table of shapes."""
-        ids = []
-        for shape in shapes:
-            shape = tuple(shape)
-            if shape not in self._shape_ids:
-                self._shape_ids[shape] = len(self._shapes)
-                self._shapes.append(shape)
-            ids.append(self._shape_ids[shape])
-        return ids
+            with core.lock:
+                core.ledger.forget_keys(pairs())
+                core.release_locked()
+            raise self._file.storage_error(exc, f"write {total} bytes of pieces") from exc
+        self._index.publish(rows)
+        with core.lock:
+            core.release_locked()
 
     def _encode(self, array: np.ndarray) -> memoryview:
         """Return the bytes to spill for one array (no copy if it is C-contiguous)."""
@@ -359,48 +276,28 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
             array = np.ascontiguousarray(array)  # never 0-d here: 0-d is always contiguous
         return array.reshape(-1).view(np.uint8).data
 
-    def _ensure_file_blocking(self) -> int:
-        """Create the directory and the data file on first use; return its descriptor."""
-        fd = self._fd
-        if fd is not None:
-            return fd
-        with self._create_lock:
-            if self._fd is None:
-                created: list[str] = []
-                path, fd = None, None
-                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-                try:
-                    path = make_store_directory(self.directory, safe_name(self.name), created)
-                    data_file = os.path.join(path, DATA_FILE)
-                    fd = os.open(data_file, flags, 0o600)
-                    direct_fd = open_direct(data_file) if self._direct_io else None
-                except OSError:
-                    remove_blocking((fd,) if fd is not None else (), path, created)
-                    raise
-                fds = (fd,) if direct_fd is None else (fd, direct_fd)
-                self._path = path
-                self._finalizer = weakref.finalize(self, remove_blocking, fds, path, created)
-                if direct_fd is not None:
-                    self._direct = self._direct_file = DirectFile(direct_fd, self._io_pool())
-                self._fd = fd
-            return self._fd
+    # -- reading -----------------------------------------------------------------------
+
+    def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
+        """See :meth:`rechunk_p2p.store.disk_reads.DiskReads.read_blocking`."""
+        return self._reads.read_blocking(output)
+
+    def read_into_blocking(
+        self, output: int, out: np.ndarray, placement: Mapping[int, tuple[slice, ...]]
+    ) -> list[int]:
+        """See :meth:`rechunk_p2p.store.disk_reads.DiskReads.read_into_blocking`."""
+        return self._reads.read_into_blocking(output, out, placement)
+
+    def read_stacked_blocking(self, output: int, out: np.ndarray, order: list[int]) -> list[int]:
+        """See :meth:`rechunk_p2p.store.disk_reads.DiskReads.read_stacked_blocking`."""
+        return self._reads.read_stacked_blocking(output, out, order)
+
+    def assemble_blocking(self, spec: ShuffleSpec, output: int) -> tuple[np.ndarray, list[int]]:
+        """See :meth:`rechunk_p2p.store.base.PieceStore.assemble_blocking` (its pieces
+        read back into a new array)."""
+        return read_output_blocking(self, spec, output)
 
     # -- lifecycle ---------------------------------------------------------------------
-
-    def _io_pool(self) -> OffloadPool:
-        """The pool of the background writes and parallel reads (see ``io_pool``)."""
-        if self._shared_io is not None:
-            return self._shared_io
-        with self._lock:
-            if self._own_io is None:
-                self._own_io = OffloadPool(STORE_IO_THREADS, "rechunk-p2p-store-io")
-            return self._own_io
-
-    def _release_locked(self) -> None:
-        """End one I/O operation; wake :meth:`close_blocking` if none is left. Hold `_lock`."""
-        self._inflight -= 1
-        if not self._inflight:
-            self._idle.notify_all()
 
     def close_blocking(self) -> None:
         """Wait for I/O in flight, then close and remove the data file and directory.
@@ -412,40 +309,26 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
         RechunkStorageError
             The directory could not be removed (it is left behind).
         """
-        with self._lock:
-            first = not self._closed
-            self._closed = True
-            while self._inflight:
-                self._idle.wait()
+        core = self._core
+        with core.lock:
+            first = not core.closed
+            core.closed = True
+            while core.inflight:
+                core.idle.wait()
             self._index.clear()
-            self._groups.clear()
-            self._pending.clear()
-            self._pending_bytes = 0
-            self._unsorted.clear()
-            self._held.clear()
-            self._ledger.clear()
-            direct = self._direct_file
-            own, self._own_io = self._own_io, None
-        if own is not None:
-            own.shutdown(wait=True)  # its last write is done (nothing in flight)
-        if direct is not None:
-            direct.close_blocking()
+            self._buffer.clear_locked()
+            core.held.clear()
+            core.ledger.clear()
         if not first:
             self._close_done.wait()
             return
         try:
-            if self._finalizer is not None:
-                self._finalizer()
+            self._file.close_blocking()
         except OSError as exc:
             advice = "Remove that directory by hand once no worker uses it."
-            raise self._storage_error(exc, "remove the spilled pieces", advice) from exc
+            raise self._file.storage_error(exc, "remove the spilled pieces", advice) from exc
         finally:
             self._close_done.set()
-
-    def assemble_blocking(self, spec: ShuffleSpec, output: int) -> tuple[np.ndarray, list[int]]:
-        """See :meth:`rechunk_p2p.store.base.PieceStore.assemble_blocking` (its pieces
-        read back into a new array)."""
-        return read_output_blocking(self, spec, output)
 
     def spill_blocking(self) -> int:
         """Nothing to move: every piece is on disk (or in the write buffer, bounded)."""
@@ -454,25 +337,13 @@ class DiskPieceStore(DiskWriteBuffer, DiskReads):
     def forget_outputs_blocking(self, outputs: Iterable[int]) -> None:
         """Forget that ``outputs`` (read already) got their pieces: they are assembled
         again from pieces sent anew."""
-        with self._lock:
-            self._ledger.forget_outputs(outputs)
+        with self._core.lock:
+            self._core.ledger.forget_outputs(outputs)
 
     def statistics(self) -> StoreStatistics:
         """Return a snapshot of the store's counters."""
-        with self._lock:
-            return self._ledger.statistics(self.kind, outputs=len(self._held))
-
-    def _storage_error(self, exc: OSError, action: str, advice: str = "") -> RechunkStorageError:
-        """Translate an ``OSError`` into an actionable :class:`RechunkStorageError`."""
-        where = self._path or os.path.join(self.directory, safe_name(self.name))
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        message = (
-            f"The disk piece store {self.name!r} could not {action} in {where!r}: {reason}. "
-            + (advice or _WRITE_ADVICE)
-        )
-        if exc.errno is not None:
-            return RechunkStorageError(exc.errno, message)
-        return RechunkStorageError(message)
+        with self._core.lock:
+            return self._core.ledger.statistics(self.kind, outputs=len(self._core.held))
 
 
 # -- plain helpers (blocking) ----------------------------------------------------------

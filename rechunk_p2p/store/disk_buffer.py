@@ -3,14 +3,12 @@ one write in flight a store, ordered by output (regular batches a group at a tim
 :mod:`rechunk_p2p.store.disk_blocks`).
 
 Where it runs: task threads and the offload pool (gathering), the store I/O pool
-(writing); blocking. The buffering half of :class:`~rechunk_p2p.store.disk.DiskPieceStore`,
-which holds the state named here and documents the locks.
+(writing); blocking. A part of :class:`~rechunk_p2p.store.disk.DiskPieceStore`.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -27,31 +25,37 @@ from rechunk_p2p.store.disk_blocks import (
     grouped,
     slabs,
 )
-from rechunk_p2p.store.ledger import PieceLedger, pair_keys
+from rechunk_p2p.store.disk_parts import PieceIndex, StoreCore
+from rechunk_p2p.store.ledger import pair_keys
 
 
-class DiskWriteBuffer:
-    """**Thread-safe (guarded by `_lock`).** The write buffer of a disk store."""
+class WriteBuffer:
+    """**Thread-safe (guarded by its store's lock, ``core.lock``).** A disk store's write
+    buffer: pieces gathered (up to ``buffer_bytes``) and written ordered by output by one
+    background write at a time, on ``pool()``, through ``write_rows(rows, views, pairs)``
+    (the store's write of index rows and their bytes); regular batches a group at a time,
+    numbered in ``index``. The store's I/O in flight (``core.inflight``) counts the
+    background write, so a close waits for it."""
 
-    kind: str
-    name: str
-    _lock: threading.Lock
-    _idle: threading.Condition
-    _closed: bool
-    _inflight: int
-    _buffer_bytes: int
-    _pending: list[Pending]
-    _pending_bytes: int
-    _flushing: int
-    _flush_error: BaseException | None
-    _groups: list[Group]
-    _held: set[int]
-    _ledger: PieceLedger
-    _release_locked: Callable[[], None]
-    _io_pool: Callable[[], OffloadPool]
-    _write_rows_blocking: Callable[..., None]
+    def __init__(
+        self,
+        core: StoreCore,
+        index: PieceIndex,
+        buffer_bytes: int,
+        write_rows: Callable[..., None],
+        pool: Callable[[], OffloadPool],
+    ) -> None:
+        self._core = core
+        self._index = index
+        self.buffer_bytes = int(buffer_bytes)
+        self._write_rows = write_rows
+        self._pool = pool
+        self._pending: list[Pending] = []  # not written yet
+        self._pending_bytes = 0
+        self._flushing = 0  # bytes of the background write in flight
+        self._flush_error: BaseException | None = None
 
-    def _gather_blocking(
+    def gather_blocking(
         self,
         item: Pending,
         outputs: np.ndarray,
@@ -59,60 +63,73 @@ class DiskWriteBuffer:
         pairs: Callable[[], np.ndarray],
     ) -> int:
         """Add ``item`` (``total`` bytes of pieces for ``outputs``; ``pairs``, their pair
-        keys) to the write buffer, once there is room; hand the buffer to the store I/O pool
-        when it is half full. Returns ``total``."""
-        with self._lock:
+        keys) to the buffer, once there is room; hand the buffer to the store I/O pool when
+        it is half full. Returns ``total``."""
+        core = self._core
+        with core.lock:
             # room first: the write in flight and the gathered pieces stay within the buffer
             while self._flushing and (
-                self._flushing + self._pending_bytes + total > self._buffer_bytes
+                self._flushing + self._pending_bytes + total > self.buffer_bytes
             ):
-                self._idle.wait()
-            if self._closed:
-                self._ledger.forget_keys(pairs())
-                raise closed_error(self.kind, self.name, "write pieces")
+                core.idle.wait()
+            if core.closed:
+                core.ledger.forget_keys(pairs())
+                raise closed_error(core.kind, core.name, "write pieces")
             self._raise_flush_error_locked()
             self._pending.append(item)
             self._pending_bytes += total
-            self._ledger.in_memory(self._pending_bytes + self._flushing)
-            self._held.update(outputs.tolist())
-            self._ledger.stored(len(outputs), total)
+            core.ledger.in_memory(self._pending_bytes + self._flushing)
+            core.held.update(outputs.tolist())
+            core.ledger.stored(len(outputs), total)
             full = self._take_full_locked()
         if full:
-            self._flush_pool().submit(self._flush_in_background_blocking, full)
+            # the writers go on cutting and receiving meanwhile; one write in flight a store
+            # keeps the disk from serving several of its writes at once
+            self._pool().submit(self._flush_in_background_blocking, full)
         return total
 
-    def _flush_pool(self) -> OffloadPool:
-        """Where the buffer is written in the background: the store's I/O pool (the
-        worker's). The writers go on cutting and receiving meanwhile; a store has one write
-        in flight at a time (``_flushing``), which keeps the disk from serving several of its
-        writes at once, and :meth:`close_blocking` waits for it (``_inflight``)."""
-        return self._io_pool()
+    def drain_blocking(self) -> None:
+        """Wait for the background write, raise its error if it failed, and write what is
+        gathered now (a read's first step: every piece stored is then in the file)."""
+        core = self._core
+        with core.lock:
+            while self._flushing:  # its rows are published when it ends
+                core.idle.wait()
+            self._raise_flush_error_locked()
+            pending = self._take_pending_locked()
+        if pending:
+            self._flush_blocking(pending)
+
+    def clear_locked(self) -> None:
+        """The store closed: drop what is gathered. Hold ``core.lock``."""
+        self._pending.clear()
+        self._pending_bytes = 0
 
     def _take_full_locked(self) -> list[Pending]:
-        """The gathered pieces to write in the background, once they are half the write
-        buffer and no write is in flight (else the write in flight takes them when it is done).
-        Hold `_lock`."""
-        if self._flushing or self._pending_bytes < max(self._buffer_bytes // 2, 1):
+        """The gathered pieces to write in the background, once they are half the buffer
+        and no write is in flight (else the write in flight takes them when it is done)."""
+        if self._flushing or self._pending_bytes < max(self.buffer_bytes // 2, 1):
             return []
         self._flushing = self._pending_bytes
-        self._inflight += 1  # close waits for it
+        self._core.inflight += 1  # close waits for it
         return self._take_pending_locked()
 
     def _flush_in_background_blocking(self, pending: list[Pending]) -> None:
         """On the store I/O pool: write gathered pieces, then those gathered meanwhile if they
         are half the buffer; an error is kept for the store's next write or read to raise."""
+        core = self._core
         while pending:
             try:
                 self._flush_blocking(pending)
             except BaseException as exc:  # re-raised to the store's next writer or reader
-                with self._lock:
+                with core.lock:
                     self._flush_error = exc
-            with self._lock:
+            with core.lock:
                 self._flushing = 0
-                failed = self._flush_error is not None or self._closed
+                failed = self._flush_error is not None or core.closed
                 pending = [] if failed else self._take_full_locked()
-                self._release_locked()
-                self._idle.notify_all()
+                core.release_locked()
+                core.idle.notify_all()
 
     def _raise_flush_error_locked(self) -> None:
         if self._flush_error is not None:
@@ -134,18 +151,16 @@ class DiskWriteBuffer:
                 rows = np.concatenate([r for r, _ in pieces])
                 views = [v for _, vs in pieces for v in vs]
                 order = np.lexsort((rows["input"], rows["output"]))
-                self._write_rows_blocking(rows[order], [views[k] for k in order.tolist()])
+                self._write_rows(rows[order], [views[k] for k in order.tolist()])
             for outputs, members in grouped(blocks):
                 group = group_of(members)
-                with self._lock:
-                    group_id = len(self._groups)
-                    self._groups.append(group)
+                group_id = self._index.add_group(group)
                 for outs, data in slabs(outputs, members):
                     rows = group_rows(outs, group_id, group.row_bytes)
                     pairs = functools.partial(_group_keys, outs, group)
-                    self._write_rows_blocking(rows, [data.data], pairs)
+                    self._write_rows(rows, [data.data], pairs)
         except RechunkRunError:
-            if not self._closed:
+            if not self._core.closed:
                 raise
             # closed meanwhile: the pieces were accepted before, and dropped by the close
 

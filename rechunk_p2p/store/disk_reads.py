@@ -1,26 +1,24 @@
 """Reading a disk store's pieces back: one output's pieces as arrays, into the output, or
 stacked in input order.
 
-Where it runs: task threads (assembling an output), blocking. The reading half of
-:class:`~rechunk_p2p.store.disk.DiskPieceStore`, which holds the state named here.
+Where it runs: task threads (assembling an output), blocking. A part of
+:class:`~rechunk_p2p.store.disk.DiskPieceStore`.
 """
 
 from __future__ import annotations
 
 import itertools
 import pickle
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 import numpy as np
 
-from rechunk_p2p.errors import RechunkRunError, RechunkStorageError
+from rechunk_p2p.errors import RechunkRunError
 from rechunk_p2p.store.base import closed_error, owned_array, place_blocking
-from rechunk_p2p.store.direct import DirectFile
-from rechunk_p2p.store.disk_blocks import Group, expand_rows
+from rechunk_p2p.store.disk_buffer import WriteBuffer
+from rechunk_p2p.store.disk_parts import PieceIndex, SpillFile, StoreCore, rows_by_input
 from rechunk_p2p.store.files import preadv_all, read_targets_blocking
-from rechunk_p2p.store.ledger import PieceLedger
 
 _READ_ADVICE = (
     "The spilled data was removed or truncated by something else, or the disk failed; "
@@ -36,34 +34,25 @@ GATHER_BELOW = 4 << 10
 
 
 class DiskReads:
-    """**Thread-safe (guarded by `_lock`).** The reads of a disk store (see
-    :class:`~rechunk_p2p.store.disk.DiskPieceStore` for the locks and the index)."""
+    """**Thread-safe (guarded by its store's lock, ``core.lock``).** The reads of a disk
+    store's pieces back from ``file``: an output's rows taken from ``index`` once ``buffer``
+    wrote what it gathered, then read outside the lock (counted in ``core.inflight``)."""
 
-    name: str
-    kind: str
-    dtype: np.dtype
-    _lock: threading.Lock
-    _idle: threading.Condition
-    _sort_lock: threading.Lock
-    _pickled: bool
-    _closed: bool
-    _inflight: int
-    _flushing: int
-    _fd: int | None
-    _direct: DirectFile | None
-    _unsorted: list[np.ndarray]
-    _index: dict[int, list[np.ndarray]]
-    _held: set[int]
-    _shapes: list[tuple[int, ...]]
-    _ledger: PieceLedger
-    _release_locked: Callable[[], None]
-    _groups: list[Group]
-    _take_pending_locked: Callable[[], list]
-    _flush_blocking: Callable[[list], None]
-    _raise_flush_error_locked: Callable[[], None]
-    _storage_error: Callable[..., RechunkStorageError]
-
-    # -- reading -----------------------------------------------------------------------
+    def __init__(
+        self,
+        core: StoreCore,
+        index: PieceIndex,
+        file: SpillFile,
+        buffer: WriteBuffer,
+        dtype: np.dtype,
+    ) -> None:
+        self._core = core
+        self._index = index
+        self._file = file
+        self._buffer = buffer
+        self.dtype = dtype
+        self._pickled = dtype.hasobject
+        self.name = core.name
 
     def read_blocking(self, output: int) -> list[tuple[int, np.ndarray]]:
         """Read one output's pieces back from disk, sorted by input index.
@@ -105,36 +94,18 @@ class DiskReads:
         return self._read_output_blocking(output, read)
 
     def _take_entries(self, output: int) -> np.ndarray | None:
-        """Remove and return the index rows of ``output``, sorted by input (under `_lock`
-        only briefly: rows written since the last read are sorted outside it)."""
-        with self._sort_lock:
-            with self._lock:
-                while self._flushing:  # its rows are published when it ends
-                    self._idle.wait()
-                self._raise_flush_error_locked()
-                pending = self._take_pending_locked()
-            if pending:
-                self._flush_blocking(pending)
-            with self._lock:
-                unsorted, self._unsorted = self._unsorted, []
-            if unsorted:
-                filed = _file_by_output(np.concatenate(unsorted))
-                with self._lock:
-                    for out, rows in filed:
-                        self._index.setdefault(out, []).append(rows)
-        with self._lock:
-            if self._closed:
-                raise closed_error(self.kind, self.name, f"read output {output}")
-            parts = self._index.pop(output, None)
-            self._held.discard(output)
-            groups = self._groups
-        if not parts:
-            return None
-        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if len(parts) == 1 and not (rows["group"] >= 0).any():
-            return rows  # filed sorted by input
-        rows = expand_rows(rows, groups)
-        return rows[np.argsort(rows["input"], kind="stable")]
+        """Remove and return the index rows of ``output``, sorted by input (one reader at a
+        time writes the buffer and files what is new)."""
+        with self._index.sorting:
+            self._buffer.drain_blocking()
+            self._index.file_new_blocking()
+        core = self._core
+        with core.lock:
+            if core.closed:
+                raise closed_error(core.kind, core.name, f"read output {output}")
+            popped = self._index.pop(output)
+            core.held.discard(output)
+        return None if popped is None else rows_by_input(*popped)
 
     def _read_output_blocking(
         self, output: int, read: Callable[[int, np.ndarray], _T]
@@ -145,27 +116,28 @@ class DiskReads:
         if rows is None:
             return []
         nbytes = int(rows["nbytes"].sum())
-        with self._lock:
-            if self._closed:
-                raise closed_error(self.kind, self.name, f"read output {output}")
-            self._ledger.bytes_buffered -= nbytes  # discarded now; counted read once read
-            self._inflight += 1
-            fd = self._fd
+        core = self._core
+        with core.lock:
+            if core.closed:
+                raise closed_error(core.kind, core.name, f"read output {output}")
+            core.ledger.bytes_buffered -= nbytes  # discarded now; counted read once read
+            core.inflight += 1
+            fd = self._file.fd
         assert fd is not None  # entries exist only after the file was written
         try:
             result = read(fd, rows)
         except OSError as exc:
-            with self._lock:
-                self._release_locked()
+            with core.lock:
+                core.release_locked()
             action = f"read {nbytes} bytes of output {output}"
-            raise self._storage_error(exc, action, _READ_ADVICE) from exc
+            raise self._file.storage_error(exc, action, _READ_ADVICE) from exc
         except BaseException:
-            with self._lock:
-                self._release_locked()
+            with core.lock:
+                core.release_locked()
             raise
-        with self._lock:
-            self._ledger.bytes_read += nbytes
-            self._release_locked()
+        with core.lock:
+            core.ledger.bytes_read += nbytes
+            core.release_locked()
         return result
 
     def _read_stacked_entries_blocking(
@@ -191,7 +163,7 @@ class DiskReads:
             )
         starts = ends - sorted_rows["nbytes"]
         offsets = sorted_rows["offset"]
-        direct = self._direct
+        direct = self._file.direct
         if direct is not None:
             stack = np.frombuffer(target, dtype=np.uint8)
             place = _stacking_into(stack, starts, sorted_rows["nbytes"])
@@ -223,7 +195,7 @@ class DiskReads:
             return
         targets: list[tuple[int, memoryview]] = []
         staged: list[tuple[np.ndarray, np.ndarray]] = []
-        shapes = self._shapes
+        shapes = self._index.shapes
         for offset, nbytes, input_, shape_id in _columns(rows):
             if not nbytes or input_ not in placement:
                 continue
@@ -242,7 +214,7 @@ class DiskReads:
     def _read_targets_blocking(self, fd: int, targets: list[tuple[int, memoryview]]) -> None:
         """Fill each ``(file offset, view)`` target: unbuffered if the store is, else one
         ``preadv`` per run of adjacent ones."""
-        direct = self._direct
+        direct = self._file.direct
         if direct is None:
             read_targets_blocking(fd, targets)
             return
@@ -262,7 +234,7 @@ class DiskReads:
         result: list[tuple[int, np.ndarray]] = []
         raw: list[tuple[int, int, np.ndarray]] = []  # (input, position in result, bytes)
         targets: list[tuple[int, memoryview]] = []
-        shapes = self._shapes
+        shapes = self._index.shapes
         for offset, nbytes, input_, shape_id in _columns(rows):
             if self._pickled:
                 buffer = np.empty(nbytes, dtype=np.uint8)
@@ -354,12 +326,3 @@ def _stacking_into(
             target[to : to + size] = stage[src : src + size]
 
     return place
-
-
-def _file_by_output(rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """``rows`` grouped by output, each group sorted by input: ``(output, rows)`` pairs."""
-    rows = rows[np.lexsort((rows["input"], rows["output"]))]
-    outputs = rows["output"]
-    cuts = np.flatnonzero(outputs[1:] != outputs[:-1]) + 1
-    bounds = np.concatenate(([0], cuts, [len(rows)])).tolist()
-    return [(int(outputs[lo]), rows[lo:hi]) for lo, hi in itertools.pairwise(bounds)]

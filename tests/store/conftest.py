@@ -51,7 +51,7 @@ def make(kind: str, spill_dir: Path) -> Iterator[MakeStore]:
     yield factory
     for store in stores:
         if "direct" in kind and store.path is not None:  # O_DIRECT is what was tested
-            assert store._direct is not None, "the file system refused O_DIRECT"
+            assert store._file.direct is not None, "the file system refused O_DIRECT"
         store.close_blocking()
     assert not spill_dir.exists(), os.listdir(spill_dir)
     assert not spill_dir.parent.exists()

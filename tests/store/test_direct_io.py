@@ -13,7 +13,7 @@ import pytest
 from rechunk_p2p import config, offload
 from rechunk_p2p.errors import RechunkInputError, RechunkStorageError
 from rechunk_p2p.store import direct
-from rechunk_p2p.store import disk as disk_module
+from rechunk_p2p.store import disk_parts as disk_module
 from rechunk_p2p.store.disk import DiskPieceStore
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
@@ -35,10 +35,10 @@ def test_forced_direct_store_writes_aligned_and_bypasses_the_cache(tmp_path):
     store = DiskPieceStore(np.dtype("u1"), tmp_path, "d", direct_io=True)
     store.write_blocking(_pieces([10, 5000]))
     store.write_blocking(_pieces([7], output=1))
-    assert store._direct is not None
-    assert fcntl.fcntl(store._direct.fd, fcntl.F_GETFL) & os.O_DIRECT
+    assert store._file.direct is not None
+    assert fcntl.fcntl(store._file.direct.fd, fcntl.F_GETFL) & os.O_DIRECT
     # each write starts at an aligned offset: 5010 bytes padded to 8192, then 7 to 4096
-    assert store._end == 8192 + 4096
+    assert store._file.end == 8192 + 4096
     assert os.path.getsize(os.path.join(store.path, disk_module.DATA_FILE)) == 8192 + 4096
     _check_round_trip(store, [10, 5000])
     [(first_input, last)] = store.read_blocking(1)
@@ -55,9 +55,9 @@ def test_auto_decides_by_the_first_writes_bytes_per_output(tmp_path, nbytes, out
     store = DiskPieceStore(np.dtype("u1"), tmp_path, "auto")
     each = nbytes // outputs
     store.write_blocking([(o, 0, np.ones(each, np.uint8)) for o in range(outputs)])
-    assert (store._direct is not None) == unbuffered
+    assert (store._file.direct is not None) == unbuffered
     store.write_blocking([(0, 1, np.ones(3, np.uint8))])  # later writes keep the choice
-    assert (store._direct is not None) == unbuffered
+    assert (store._file.direct is not None) == unbuffered
     assert [i for i, _ in store.read_blocking(0)] == [0, 1]
     store.close_blocking()
 
@@ -65,7 +65,7 @@ def test_auto_decides_by_the_first_writes_bytes_per_output(tmp_path, nbytes, out
 def test_direct_io_false_never_opens_unbuffered(tmp_path):
     store = DiskPieceStore(np.dtype("u1"), tmp_path, "off", direct_io=False)
     store.write_blocking(_pieces([1 << 20]))
-    assert store._direct is None
+    assert store._file.direct is None
     _check_round_trip(store, [1 << 20])
     store.close_blocking()
 
@@ -80,7 +80,7 @@ def test_a_file_system_refusing_o_direct_falls_back_to_the_cache(monkeypatch, tm
     monkeypatch.setattr(disk_module, "open_direct", refuse)
     store = DiskPieceStore(np.dtype("u1"), tmp_path, "refused", direct_io=True)
     store.write_blocking(_pieces([100, 9000]))
-    assert len(opened) == 1 and store._direct is None
+    assert len(opened) == 1 and store._file.direct is None
     _check_round_trip(store, [100, 9000])
     store.close_blocking()
     assert not os.listdir(tmp_path)
@@ -97,7 +97,7 @@ def test_einval_on_a_direct_write_falls_back_for_good(monkeypatch, tmp_path):
     store = DiskPieceStore(np.dtype("u1"), tmp_path, "einval", direct_io=True)
     store.write_blocking(_pieces([100, 9000]))
     store.write_blocking(_pieces([50], output=1))
-    assert calls == [0] and store._direct is None  # tried once, then buffered
+    assert calls == [0] and store._file.direct is None  # tried once, then buffered
     _check_round_trip(store, [100, 9000])
     store.close_blocking()
     assert not os.listdir(tmp_path)

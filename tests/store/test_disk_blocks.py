@@ -23,7 +23,7 @@ from .test_stacked_read import partial_of, write_all
 
 
 def index_rows(store: DiskPieceStore) -> int:
-    return sum(len(rows) for parts in store._index.values() for rows in parts)
+    return store._index.rows()
 
 
 def test_thin_rows_into_strips_keep_one_index_row_per_output_and_flush(tmp_path):
