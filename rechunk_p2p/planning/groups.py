@@ -44,7 +44,8 @@ def transfer_groups(
     the chunks). Along an axis, the chunks wholly inside one output chunk are split into two
     or more runs of nearly equal length; a chunk that crosses an output chunk boundary, or
     has no elements, stays alone. Where too few groups are left, the factor of the axis
-    joined last is halved until enough are.
+    joined last falls to the largest that leaves enough (before, it was halved until enough
+    were: 63 one-row chunks went 63, 31, 15, 7, 3, 1 and were never joined in pairs).
 
     >>> transfer_groups(((1,) * 8, (4,)), ((8,), (2, 2)), 4, 64, min_transfers=2)
     ((4, 4), (1,))
@@ -72,9 +73,11 @@ def transfer_groups(
             return None
         if math.prod(len(g) for g in groups) >= fewest:
             return groups
-        # too few transfers: halve the factor of the last axis joined
+        # too few transfers: the largest smaller factor of the last axis joined that gives
+        # enough (1 if none does: then the axis joined before it gives way)
         axis = next(a for a in reversed(order) if factors[a] > 1)
-        factors[axis] //= 2
+        others = math.prod(len(g) for a, g in enumerate(groups) if a != axis)
+        factors[axis] = _largest_factor(runs[axis], factors[axis] - 1, -(-fewest // others))
 
 
 def group_members(groups: tuple[int, ...]) -> tuple[range, ...]:
@@ -111,6 +114,23 @@ def _runs_inside(old: tuple[int, ...], new: tuple[int, ...]) -> list[list[int]]:
             runs.append([i])
             last = j if inside else None
     return runs
+
+
+def _largest_factor(runs: list[list[int]], most: int, groups: int) -> int:
+    """The largest factor up to ``most`` that splits ``runs`` into at least ``groups`` groups
+    (1 if none does): the count falls as the factor grows, so a bisection finds it.
+
+    >>> _largest_factor([list(range(63))], 62, 32)  # 63 chunks in 32 groups: pairs
+    2
+    """
+    lo, hi = 1, max(most, 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(_split(runs, mid)) >= groups:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _split(runs: list[list[int]], factor: int) -> tuple[int, ...]:

@@ -158,9 +158,13 @@ def test_joining_leaves_at_least_the_fewest_transfers():
     # fewer chunks than that: joining would only take threads away from the input phase
     old, new = ((1,) * 40, (512,), (512,)), ((40,), (32,) * 16, (32,) * 16)
     assert transfer_groups(old, new, 4, 16 * 2**20) is None
-    # 160 chunks: groups halved until 64 or more transfers are left
+    # 160 chunks: groups as large as leave 64 or more transfers
     old, new = ((1,) * 160, (512,), (512,)), ((160,), (32,) * 16, (32,) * 16)
     assert transfer_groups(old, new, 4, 16 * 2**20) == ((2,) * 80, (1,), (1,))
+    # the largest factor that leaves enough, not a halving: 63 one-row chunks in two
+    # columns join in pairs (32 x 2 transfers), where halving went 63, 31, 15, 7, 3, 1
+    old, new = ((1,) * 63, (4, 4), (6,)), ((63,), (2,) * 4, (3, 3))
+    assert transfer_groups(old, new, 8, 16 * 2**20) == ((2,) * 31 + (1,), (1, 1), (1,))
 
 
 def test_runs_are_split_into_nearly_equal_groups():
