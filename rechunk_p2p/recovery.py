@@ -14,6 +14,7 @@ worker left restarts from scratch.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,11 @@ from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, barrier_key
 
 #: States of a barrier (or output) task that still has to run
 BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})
+
+#: A run takes in workers that joined the cluster only while at most this share of its
+#: transfers finished: the finished ones run again for the outputs that move, so past half
+#: of them the run would do more again than the joined workers take off the others
+JOIN_BEFORE_DONE = 0.5
 
 
 @dataclass
@@ -176,6 +182,41 @@ def worker_left(run: SchedulerRun, worker: str, facts: RunFacts, run_id: RunId) 
     return Restart(f"worker {worker} left")
 
 
+def workers_joined(
+    run: SchedulerRun, dataplanes: Mapping[str, str], facts: RunFacts, run_id: RunId
+) -> Continue | None:
+    """What ``run`` does now that the workers of ``dataplanes`` (worker -> its data plane)
+    joined the cluster: while its transfers run (the barrier waits for them) and at most
+    :data:`JOIN_BEFORE_DONE` of them finished, it continues with them, each taking a fair
+    share of the outputs (:meth:`~rechunk_p2p.spec.RunSpec.continued_with`): the finished
+    transfers run again for the moved outputs, the others send every piece. ``None``: the
+    run goes on as it is (no transfer left to speak of, the barrier running or passed, or no
+    output to give).
+    """
+    joined = [
+        w
+        for w in dataplanes
+        if w in facts.present and w not in run.workers and w not in run.departed
+    ]
+    if not joined or facts.barrier != "waiting" or not facts.transfers:
+        return None
+    done = sum(1 for t in facts.transfers if t.done)
+    if done > JOIN_BEFORE_DONE * len(facts.transfers):
+        return None
+    resend_all, full_by = _resend_all(run, None, facts)
+    new = run.run_spec.continued_with(
+        tuple(joined),
+        tuple(dataplanes[w] for w in joined),
+        run_id,
+        resend_all,
+        fixed=frozenset(run.assembled),
+    )
+    if not new.reassigned(run.run_spec):
+        return None
+    why = f"Worker{'s' if len(joined) > 1 else ''} {', '.join(joined)} joined"
+    return _continuation(run, new, facts, why, None, full_by, 0)
+
+
 def output_lost(
     run: SchedulerRun, output: int, worker: str, reason: str, facts: RunFacts, run_id: RunId
 ) -> Continue | Restart | None:
@@ -325,10 +366,11 @@ def _unfinished_outputs(
 
 
 def _resend_all(
-    run: SchedulerRun, worker: str, facts: RunFacts
+    run: SchedulerRun, worker: str | None, facts: RunFacts
 ) -> tuple[frozenset[int], dict[int, str]]:
-    """The inputs whose pieces may have been lost with ``worker`` (their transfers send
-    every piece again in the continued run), and the run's inputs sent in full after it.
+    """The inputs whose pieces may have been lost with ``worker`` (``None``: no worker left;
+    the inputs not sent in full yet), whose transfers send every piece again in the continued
+    run, and the run's inputs sent in full after it.
 
     None once a barrier of the run passed (every piece arrived). Before, an input's pieces
     are safe if a transfer that sent all of them finished on a worker that is still there

@@ -52,6 +52,11 @@ logger = logging.getLogger(__name__)
 #: Attempts of a barrier's request to one worker whose connection broke meanwhile.
 BARRIER_ATTEMPTS = 5
 
+#: Seconds between a worker joining the cluster and the open runs taking it in: the joins of
+#: one scale-up (an adaptive cluster starts its workers together) are taken in at once, and
+#: a joined worker has its data plane up by then (else it is looked at again as long)
+JOIN_BATCH_SECONDS = 1.0
+
 
 class RechunkSchedulerPlugin(SchedulerPlugin):
     """**Loop-confined.** rechunk_p2p's state on the scheduler.
@@ -78,6 +83,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.errors: Counter[str] = Counter()  # transfers and barriers that erred, by type
         self.tuning: SchedulerTuning | None = None
         self.stalls: StallWatch | None = None  # outputs waiting for a worker that runs none
+        self._joining: set[str] = set()  # workers that joined, not yet taken in by the runs
+        self._joins: asyncio.TimerHandle | None = None  # the next look at them
 
     def __reduce__(self) -> tuple:
         return (type(self), ())  # a fresh plugin on the other side: state is per process
@@ -385,6 +392,37 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
             self.recovery.output_lost(run, output, worker, reason)
         return {"status": "OK"}
 
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        """A worker joined: the open runs whose transfers are running take it in, with the
+        others of the same burst, :data:`JOIN_BATCH_SECONDS` later (:meth:`_take_in_joined`)."""
+        if not self.active:
+            return
+        self._joining.add(worker)
+        if self._joins is None:
+            loop = asyncio.get_running_loop()
+            self._joins = loop.call_later(JOIN_BATCH_SECONDS, self._take_in_joined)
+
+    def _take_in_joined(self) -> None:
+        """Each open run continues with the joined workers that run and have their data
+        plane up (:meth:`~rechunk_p2p.scheduler_recovery.RunRecovery.workers_joined`); the
+        others are looked at again later, while they are still there."""
+        self._joins = None
+        dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
+        running = {ws.address for ws in self.scheduler.running}
+        self._joining &= set(self.scheduler.workers)
+        ready = {
+            w: dataplanes[w] for w in sorted(self._joining) if w in running and w in dataplanes
+        }
+        self._joining -= set(ready)
+        if ready:
+            for run in list(self.active.values()):
+                self.recovery.workers_joined(run, ready)
+        if self._joining and self.active:
+            loop = asyncio.get_running_loop()
+            self._joins = loop.call_later(JOIN_BATCH_SECONDS, self._take_in_joined)
+        else:
+            self._joining.clear()
+
     def remove_worker(
         self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
     ) -> None:
@@ -472,6 +510,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         return run
 
     async def close(self) -> None:
+        if self._joins is not None:
+            self._joins.cancel()
         if self.tuning is not None:
             self.tuning.stop()
         if self.stalls is not None:

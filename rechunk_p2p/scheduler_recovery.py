@@ -27,6 +27,7 @@ from rechunk_p2p.recovery import (
     TransferFacts,
     output_lost,
     worker_left,
+    workers_joined,
 )
 from rechunk_p2p.spec import METADATA_KEY, TRANSFER_PREFIX, RunId, ShuffleId, barrier_key
 from rechunk_p2p.waves import key_name
@@ -48,6 +49,7 @@ class RecoveryCounts:
     outputs_kept: int = 0  # finished outputs of other workers that continuations kept
     outputs_moved: int = 0  # outputs continuations moved to another worker
     transfers_rerun: int = 0  # finished transfers continuations ran again
+    joined: int = 0  # workers that joined a run while its transfers ran
 
 
 def release(scheduler: Any, keys: Iterable[Any], stimulus_id: str) -> None:
@@ -171,6 +173,16 @@ class RunRecovery:
                 run.run_spec.run_id,
             )
         self._do(run, action, stimulus_id)
+        return action
+
+    def workers_joined(self, run: SchedulerRun, dataplanes: dict[str, str]) -> Continue | None:
+        """Workers joined the cluster (``dataplanes``: worker -> its data plane): ``run``
+        continues with them taking a share of its outputs, while its transfers run
+        (:func:`rechunk_p2p.recovery.workers_joined`); the continuation, if any."""
+        action = workers_joined(run, dataplanes, self.facts(run), self._run_ids.peek())
+        if action is not None:
+            self.counts.joined += len(action.new.workers) - len(run.run_spec.workers)
+            self._continue(run, action)
         return action
 
     def output_lost(

@@ -376,6 +376,55 @@ class RunSpec:
             resend_all=resend_all,
         )
 
+    def continued_with(
+        self,
+        workers: tuple[str, ...],
+        dataplanes: tuple[str, ...],
+        run_id: RunId,
+        resend_all: frozenset[int] = frozenset(),
+        fixed: frozenset[int] = frozenset(),
+    ) -> RunSpec:
+        """The run that continues this one with ``workers`` joined (``dataplanes``: theirs):
+        each worker of the run keeps at most its fair share of the outputs (the count over
+        the grown worker set, rounded up), giving the rest from the end of its block, and
+        the joined workers take what is given in contiguous blocks. ``fixed`` outputs
+        (assembled already) keep their worker. ``resend_all``: see the class.
+
+        >>> from rechunk_p2p.planning import make_partials
+        >>> (p,) = make_partials(((4,), (8,)), ((4,), (1,) * 8))
+        >>> spec = ShuffleSpec(ShuffleId("s-0"), p, np.dtype("f8"), "memory", "out")
+        >>> run = RunSpec(spec, RunId(1), ("a",), ("A",), shift=0)
+        >>> after = run.continued_with(("b", "c", "d"), ("B", "C", "D"), RunId(2))
+        >>> [after.worker_for(i) for i in range(8)], sorted(after.moved), after.lineage
+        (['a', 'a', 'b', 'b', 'c', 'c', 'd', 'd'], [2, 3, 4, 5, 6, 7], (1,))
+        """
+        outputs = self.spec.outputs_array
+        positions = self.worker_positions(outputs)
+        old, new = len(self.workers), len(self.workers) + len(workers)
+        share = -(-len(outputs) // new)
+        fixed_ranks = np.isin(outputs, np.asarray(sorted(fixed), dtype=np.int64))
+        given = []
+        for k in range(old):
+            mine = np.flatnonzero(positions == k)
+            movable = mine[~fixed_ranks[mine]]
+            excess = min(len(mine) - share, len(movable))
+            if excess > 0:
+                given.append(movable[len(movable) - excess :])
+        table = positions.copy()
+        moving = np.sort(np.concatenate(given)) if given else np.empty(0, dtype=np.int64)
+        table[moving] = old + np.arange(len(moving)) * len(workers) // max(len(moving), 1)
+        return RunSpec(
+            spec=self.spec,
+            run_id=run_id,
+            workers=(*self.workers, *workers),
+            dataplanes=(*self.dataplanes, *dataplanes),
+            shift=0,
+            table=tuple(table.tolist()),
+            lineage=(*self.lineage, self.run_id),
+            moved=self.moved | frozenset(outputs[moving].tolist()),
+            resend_all=resend_all,
+        )
+
     def remaking(self, outputs: frozenset[int], run_id: RunId) -> RunSpec:
         """The run that continues this one to assemble ``outputs`` again, each on the worker
         after its own (in ``workers``, wrapping): their results were lost after their pieces

@@ -1,4 +1,5 @@
-"""The recovery decision as a table: a run and the scheduler's facts in, an action out
+"""The recovery decision as a table: a run and the scheduler's facts in, an action out (a
+worker left, an output was lost, workers joined)
 (rechunk_p2p.recovery, pure; the cluster tests of test_worker_leaves.py and
 test_lost_outputs.py carry the actions out for real)."""
 
@@ -19,6 +20,7 @@ from rechunk_p2p.recovery import (
     TransferFacts,
     output_lost,
     worker_left,
+    workers_joined,
 )
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, ShuffleSpec, barrier_key
 
@@ -181,3 +183,38 @@ def test_a_lost_output_is_assembled_again_on_the_next_worker():
 def test_a_lost_output_restarts_the_run_where_it_cannot_continue(run, worker, facts, expected):
     action = output_lost(run, 0, worker, "lost", facts, NEXT)
     assert action == (Restart("lost") if expected == "r" else expected)
+
+
+# --- workers join while the transfers run ----------------------------------------------
+
+JOINED = {"e": "E", "f": "F", "g": "G"}
+
+
+def test_workers_joining_while_the_transfers_run_take_a_share():
+    # transfer 0 finished on a (its pieces queued there), transfer 1 has not run
+    facts = _facts(barrier="waiting", ran=("a", None), present=ALL | set(JOINED))
+    action = workers_joined(_run(), JOINED, facts, NEXT)
+    assert isinstance(action, Continue)
+    new = action.new
+    assert new.workers == ("a", "b", "c", "e", "f", "g") and new.dataplanes[3:] == ("E", "F", "G")
+    # 6 outputs over 6 workers: one each; a, b and c give their second
+    assert [new.worker_for(f) for f in range(6)] == ["a", "e", "b", "f", "c", "g"]
+    assert action.moved == {1, 3, 5} and action.left is None
+    # the finished transfer runs again for the moved outputs; the other sends every piece
+    assert new.resend_all == {1} and action.full_by == {0: "a"}
+    assert action.release == (("transfer", 0),) and action.reruns == 1
+
+
+@pytest.mark.parametrize(
+    ("run", "facts"),
+    [
+        (_run(), _facts(barrier="processing", present=ALL | set(JOINED))),  # transfers done
+        (_run(), _facts(barrier="memory", present=ALL | set(JOINED))),  # barrier passed
+        (_run(), _facts(barrier="waiting", present=ALL | set(JOINED))),  # both transfers done
+        (_run(), _facts(barrier="waiting", ran=(None, None))),  # the joined are gone already
+        (_run(departed={"e", "f", "g"}), _facts(barrier="waiting", ran=(None, None))),
+    ],
+    ids=["barrier running", "barrier passed", "most transfers done", "gone", "left before"],
+)
+def test_workers_joining_change_nothing_past_the_transfers_or_when_gone(run, facts):
+    assert workers_joined(run, JOINED, facts, NEXT) is None

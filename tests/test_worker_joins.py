@@ -1,0 +1,97 @@
+"""Workers join mid-rechunk (an adaptive cluster scaling up): while its transfers run, the run
+continues with them, each taking a fair share of the outputs; after the barrier, nothing
+changes for the run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import dask.array as da
+import numpy as np
+from distributed import Worker
+from distributed.utils_test import gen_cluster
+
+import rechunk_p2p
+from tests.conftest import assert_clean
+from tests.engine_helpers import ONE, PLUGIN
+
+_GATE = threading.Event()
+
+
+_MADE = [0]  # rows made so far (the workers run in the test's process)
+
+
+def _gated(block: np.ndarray) -> np.ndarray:
+    """Hold the transfers (they make the rows) but the first four until the test lets them
+    go: those open the run."""
+    _MADE[0] += 1
+    if block.size and _MADE[0] > 4:
+        assert _GATE.wait(60)
+    return block
+
+
+def _rechunk() -> tuple[da.Array, np.ndarray]:
+    """64 gated rows -> 8 column strips."""
+    arr = np.arange(64 * 64, dtype="f8").reshape(64, 64)
+    x = da.from_array(arr, chunks=(1, 64)).map_blocks(_gated, dtype="f8", meta=np.empty((0, 0)))
+    return rechunk_p2p.rechunk(x, (64, 8)), arr
+
+
+async def _until(condition, timeout: float = 30) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@gen_cluster(client=True, nthreads=ONE, timeout=90)
+async def test_workers_joining_during_the_transfers_take_a_share_of_the_outputs(c, s, a):
+    await rechunk_p2p.register(c)
+    _GATE.clear()
+    _MADE[0] = 0
+    y, arr = _rechunk()
+    held = c.persist(y)
+    plugin = s.plugins[PLUGIN]
+    await _until(lambda: plugin.active)
+    (run,) = plugin.active.values()
+    assert run.run_spec.workers == (a.address,)
+    async with (
+        Worker(s.address, nthreads=1) as b,
+        Worker(s.address, nthreads=1) as d,
+        Worker(s.address, nthreads=1) as e,
+    ):
+        await _until(lambda: plugin.recovery.counts.joined == 3)
+        joined = {b.address, d.address, e.address}
+        assert set(run.run_spec.workers) == {a.address} | joined
+        assert plugin.recovery.counts.continuations == 1
+        assert plugin.recovery.counts.outputs_moved == 6  # a keeps 2 of 8, each other 2
+        _GATE.set()
+        out = await c.compute(held)
+        np.testing.assert_array_equal(out, arr)
+        where = await c.who_has(held)
+        holders = {w for ws in where.values() for w in ws}
+        assert holders == {a.address} | joined, where
+        assert plugin.recovery.counts.restarts == 0
+        del held
+        await assert_clean(s, a, b, d, e)
+
+
+@gen_cluster(client=True, nthreads=ONE)
+async def test_a_worker_joining_after_the_barrier_changes_nothing(c, s, a):
+    await rechunk_p2p.register(c)
+    _GATE.set()
+    y, arr = _rechunk()
+    held = c.persist(y)
+    np.testing.assert_array_equal(await c.compute(held), arr)
+    async with Worker(s.address, nthreads=1) as b:
+        await asyncio.sleep(1.5)  # past the batching of joins
+        assert plugin_counts(s) == (0, 0)
+        assert b.address not in {w for ws in (await c.who_has(held)).values() for w in ws}
+        del held
+        await assert_clean(s, a, b)
+
+
+def plugin_counts(s) -> tuple[int, int]:
+    counts = s.plugins[PLUGIN].recovery.counts
+    return counts.joined, counts.continuations
