@@ -223,6 +223,14 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self._pin_outputs(run)
         self.active[shuffle_id] = run
         self.runs_created += 1
+        # running workers whose plugin is not up yet (it installs from a task, say) are taken
+        # in as joined workers once their data plane is
+        self._joining.update(
+            ws.address for ws in self.scheduler.running if ws.address not in dataplanes
+        )
+        if self._joining and self._joins is None:
+            loop = asyncio.get_running_loop()
+            self._joins = loop.call_later(JOIN_BATCH_SECONDS, self._take_in_joined)
         logger.debug(
             "Created run %d of rechunk %s on %d workers", run_spec.run_id, shuffle_id, len(workers)
         )

@@ -179,6 +179,10 @@ class RunRecovery:
         """Workers joined the cluster (``dataplanes``: worker -> its data plane): ``run``
         continues with them taking a share of its outputs, while its transfers run
         (:func:`rechunk_p2p.recovery.workers_joined`); the continuation, if any."""
+        barrier = self.scheduler.tasks.get(barrier_key(run.shuffle_id))
+        allowed = getattr(barrier, "worker_restrictions", None)
+        if allowed:  # the rechunk was restricted to some workers: only those join it
+            dataplanes = {w: d for w, d in dataplanes.items() if w in allowed}
         action = workers_joined(run, dataplanes, self.facts(run), self._run_ids.peek())
         if action is not None:
             self.counts.joined += len(action.new.workers) - len(run.run_spec.workers)

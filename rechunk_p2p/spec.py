@@ -295,6 +295,10 @@ class RunSpec:
             positions[~np.isin(flats, self._moved)] = -1
         return positions
 
+    def were_moved(self, flats: np.ndarray) -> np.ndarray:
+        """Whether each of ``flats`` changed worker in a continuation of the lineage."""
+        return np.isin(flats, self._moved)
+
     def owners(self) -> frozenset[str]:
         """The workers that assemble at least one output of the run."""
         spec = self.spec

@@ -5,11 +5,14 @@ changes for the run."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import time
 
+import cloudpickle
 import dask.array as da
 import numpy as np
-from distributed import Worker
+from distributed import Client, LocalCluster, Worker, futures_of
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
@@ -95,3 +98,54 @@ async def test_a_worker_joining_after_the_barrier_changes_nothing(c, s, a):
 def plugin_counts(s) -> tuple[int, int]:
     counts = s.plugins[PLUGIN].recovery.counts
     return counts.joined, counts.continuations
+
+
+def _held_for_joins(block: np.ndarray) -> np.ndarray:
+    """Make a row, but once the run is open wait until the scheduler took in 3 joined workers
+    (the first transfers open the run: it is made when a transfer first asks for it): the
+    joins come during the transfers however long the workers take to start."""
+    from distributed import get_client
+
+    client = get_client()
+    deadline = time.monotonic() + 60
+    while client.run_on_scheduler(_waiting_for_joins):
+        assert time.monotonic() < deadline, "no 3 workers joined"
+        time.sleep(0.1)
+    return block
+
+
+def _waiting_for_joins(dask_scheduler) -> bool:
+    plugin = dask_scheduler.plugins[PLUGIN]
+    return bool(plugin.active) and plugin.recovery.counts.joined < 3
+
+
+def test_a_local_cluster_scaling_from_one_to_four_workers_spreads_the_outputs():
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    arr = np.arange(256 * 64, dtype="f4").reshape(256, 64)
+    x = da.from_array(arr, chunks=(1, 64)).map_blocks(_held_for_joins, dtype="f4")
+    y = rechunk_p2p.rechunk(x, (256, 8))
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        rechunk_p2p.register(client)
+        held = client.persist(y)
+        deadline = time.monotonic() + 60
+        while not client.run_on_scheduler(_runs_open):
+            assert time.monotonic() < deadline, "the run never opened"
+            time.sleep(0.05)
+        cluster.scale(4)
+        np.testing.assert_array_equal(client.compute(held).result(timeout=120), arr)
+        holders = {w for ws in client.who_has(futures_of(held)).values() for w in ws}
+        counts = client.run_on_scheduler(_counts)
+        assert counts["joined"] == 3, counts
+        assert len(holders) == 4, holders
+        assert counts["restarts"] == 0, counts
+
+
+def _runs_open(dask_scheduler) -> bool:
+    return bool(dask_scheduler.plugins[PLUGIN].active)
+
+
+def _counts(dask_scheduler) -> dict:
+    return dict(vars(dask_scheduler.plugins[PLUGIN].recovery.counts))

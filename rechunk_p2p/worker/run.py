@@ -436,7 +436,10 @@ class WorkerRun:
 
     def _check_owned_blocking(self, batch: list[Packed]) -> None:
         """Refuse pieces of outputs this worker does not assemble (a sender that addressed the
-        wrong data plane): stored here they would be lost, and their owner would miss them."""
+        wrong data plane): stored here they would be lost, and their owner would miss them.
+        Pieces of an output a continuation moved away from here are kept (a batch cut before
+        the continuation and sent under its id): the continued run's transfers send that
+        output's pieces to its new worker, and what is kept here is dropped at the close."""
         run_spec = self.run_spec
         outputs = (
             np.concatenate([output_array(p) for p in batch])
@@ -444,7 +447,8 @@ class WorkerRun:
             else np.zeros(0, dtype=np.int64)
         )
         positions = run_spec.owner_positions(outputs)
-        wrong = np.flatnonzero(positions != self._position_in(run_spec))
+        elsewhere = positions != self._position_in(run_spec)
+        wrong = np.flatnonzero(elsewhere & ~run_spec.were_moved(outputs))
         if len(wrong):
             first, position = int(outputs[wrong[0]]), int(positions[wrong[0]])
             owner = run_spec.workers[position] if position >= 0 else "no worker of the run"
