@@ -528,4 +528,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
     def restart(self, scheduler: Any) -> None:
         self.active.clear()
         self.recovery.forget()
+        self._joining.clear()
+        if self._joins is not None:
+            self._joins.cancel()
+            self._joins = None
         self.waves = TransferWaves()
