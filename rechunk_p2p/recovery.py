@@ -123,6 +123,7 @@ class RunFacts:
     transfers: tuple[TransferFacts, ...] = ()  # the barrier's dependencies
     pending_outputs: frozenset[int] = frozenset()  # outputs whose tasks have to run
     present: frozenset[str] = frozenset()  # workers in the cluster with a data plane
+    allowed: frozenset[str] | None = None  # the barrier's worker restrictions, if any
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,10 @@ def workers_joined(
     joined = [
         w
         for w in dataplanes
-        if w in facts.present and w not in run.workers and w not in run.departed
+        if w in facts.present
+        and (facts.allowed is None or w in facts.allowed)  # a rechunk restricted to some
+        and w not in run.workers
+        and w not in run.departed
     ]
     if not joined or facts.barrier != "waiting" or not facts.transfers:
         return None

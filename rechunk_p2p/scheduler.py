@@ -228,9 +228,7 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self._joining.update(
             ws.address for ws in self.scheduler.running if ws.address not in dataplanes
         )
-        if self._joining and self._joins is None:
-            loop = asyncio.get_running_loop()
-            self._joins = loop.call_later(JOIN_BATCH_SECONDS, self._take_in_joined)
+        self._look_at_joins_later()
         logger.debug(
             "Created run %d of rechunk %s on %d workers", run_spec.run_id, shuffle_id, len(workers)
         )
@@ -406,7 +404,12 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         if not self.active:
             return
         self._joining.add(worker)
-        if self._joins is None:
+        self._look_at_joins_later()
+
+    def _look_at_joins_later(self) -> None:
+        """Take the joined workers in :data:`JOIN_BATCH_SECONDS` from now, unless a look is
+        due already (the joins of one burst are taken in together)."""
+        if self._joining and self._joins is None:
             loop = asyncio.get_running_loop()
             self._joins = loop.call_later(JOIN_BATCH_SECONDS, self._take_in_joined)
 
@@ -425,9 +428,8 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         if ready:
             for run in list(self.active.values()):
                 self.recovery.workers_joined(run, ready)
-        if self._joining and self.active:
-            loop = asyncio.get_running_loop()
-            self._joins = loop.call_later(JOIN_BATCH_SECONDS, self._take_in_joined)
+        if self.active:
+            self._look_at_joins_later()
         else:
             self._joining.clear()
 

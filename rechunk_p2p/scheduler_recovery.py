@@ -144,7 +144,8 @@ class RunRecovery:
         transfers = tuple(
             self._transfer(spec.transfer_of(dt.key), dt) for dt in barrier.dependencies
         )
-        return RunFacts(barrier.state, transfers, pending, present)
+        allowed = frozenset(barrier.worker_restrictions) if barrier.worker_restrictions else None
+        return RunFacts(barrier.state, transfers, pending, present, allowed)
 
     def _transfer(self, index: int, dependency: Any) -> TransferFacts:
         chain = transfer_chain(dependency)
@@ -179,10 +180,6 @@ class RunRecovery:
         """Workers joined the cluster (``dataplanes``: worker -> its data plane): ``run``
         continues with them taking a share of its outputs, while its transfers run
         (:func:`rechunk_p2p.recovery.workers_joined`); the continuation, if any."""
-        barrier = self.scheduler.tasks.get(barrier_key(run.shuffle_id))
-        allowed = getattr(barrier, "worker_restrictions", None)
-        if allowed:  # the rechunk was restricted to some workers: only those join it
-            dataplanes = {w: d for w, d in dataplanes.items() if w in allowed}
         action = workers_joined(run, dataplanes, self.facts(run), self._run_ids.peek())
         if action is not None:
             self.counts.joined += len(action.new.workers) - len(run.run_spec.workers)

@@ -213,8 +213,22 @@ def test_workers_joining_while_the_transfers_run_take_a_share():
         (_run(), _facts(barrier="waiting", present=ALL | set(JOINED))),  # both transfers done
         (_run(), _facts(barrier="waiting", ran=(None, None))),  # the joined are gone already
         (_run(departed={"e", "f", "g"}), _facts(barrier="waiting", ran=(None, None))),
+        (  # the rechunk was restricted to a, b and c
+            _run(),
+            replace(
+                _facts(barrier="waiting", ran=(None, None), present=ALL | set(JOINED)),
+                allowed=frozenset("abc"),
+            ),
+        ),
     ],
-    ids=["barrier running", "barrier passed", "most transfers done", "gone", "left before"],
+    ids=[
+        "barrier running",
+        "barrier passed",
+        "most transfers done",
+        "gone",
+        "left before",
+        "restricted",
+    ],
 )
 def test_workers_joining_change_nothing_past_the_transfers_or_when_gone(run, facts):
     assert workers_joined(run, JOINED, facts, NEXT) is None

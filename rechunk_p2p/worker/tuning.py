@@ -252,9 +252,13 @@ class ProcessTuning:
 
 def _asked(options: TuningOptions) -> list[str]:
     """The options ``options`` asks for, as counted per option."""
-    names = ("switch", "freeze", "malloc", "pages")
-    flags = (options.switch_interval is not None, options.freeze, options.malloc)
-    return [name for name, on in zip(names, (*flags, options.output_pages)) if on]
+    asked = {
+        "switch": options.switch_interval is not None,
+        "freeze": options.freeze,
+        "malloc": options.malloc,
+        "pages": options.output_pages,
+    }
+    return [name for name, on in asked.items() if on]
 
 
 def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
