@@ -24,8 +24,9 @@ from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, barrier_key
 BARRIER_PENDING = frozenset({"waiting", "queued", "no-worker", "processing"})
 
 #: A run takes in workers that joined the cluster only while at most this share of its
-#: transfers finished: the finished ones run again for the outputs that move, so past half
-#: of them the run would do more again than the joined workers take off the others
+#: inputs were sent in full (by any run of its lineage): their transfers run again for the
+#: outputs that move, so past half of them the run would do more again than the joined
+#: workers take off the others
 JOIN_BEFORE_DONE = 0.5
 
 
@@ -187,8 +188,9 @@ def workers_joined(
     run: SchedulerRun, dataplanes: Mapping[str, str], facts: RunFacts, run_id: RunId
 ) -> Continue | None:
     """What ``run`` does now that the workers of ``dataplanes`` (worker -> its data plane)
-    joined the cluster: while its transfers run (the barrier waits for them) and at most
-    :data:`JOIN_BEFORE_DONE` of them finished, it continues with them, each taking a fair
+    joined the cluster: while its transfers run (the barrier waits for them, no barrier of
+    the run passed) and at most :data:`JOIN_BEFORE_DONE` of its inputs were sent in full, it
+    continues with them, each taking a fair
     share of the outputs (:meth:`~rechunk_p2p.spec.RunSpec.continued_with`): the finished
     transfers run again for the moved outputs, the others send every piece. ``None``: the
     run goes on as it is (no transfer left to speak of, the barrier running or passed, or no
@@ -202,12 +204,11 @@ def workers_joined(
         and w not in run.workers
         and w not in run.departed
     ]
-    if not joined or facts.barrier != "waiting" or not facts.transfers:
-        return None
-    done = sum(1 for t in facts.transfers if t.done)
-    if done > JOIN_BEFORE_DONE * len(facts.transfers):
+    if not joined or run.delivered or facts.barrier != "waiting" or not facts.transfers:
         return None
     resend_all, full_by = _resend_all(run, None, facts)
+    if len(full_by) > JOIN_BEFORE_DONE * len(run.run_spec.spec.inputs):
+        return None  # (a continuation's transfers send the moved outputs' pieces only)
     new = run.run_spec.continued_with(
         tuple(joined),
         tuple(dataplanes[w] for w in joined),

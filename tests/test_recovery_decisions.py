@@ -220,6 +220,14 @@ def test_workers_joining_while_the_transfers_run_take_a_share():
                 allowed=frozenset("abc"),
             ),
         ),
+        (  # a continuation after the barrier passed: its transfers send moved pieces only
+            _run(delivered=True),
+            _facts(barrier="waiting", ran=(None, None), present=ALL | set(JOINED)),
+        ),
+        (  # a continuation of a run whose inputs were all sent in full before
+            _run(full_by={0: "a", 1: "b"}),
+            _facts(barrier="waiting", ran=(None, None), present=ALL | set(JOINED)),
+        ),
     ],
     ids=[
         "barrier running",
@@ -228,6 +236,8 @@ def test_workers_joining_while_the_transfers_run_take_a_share():
         "gone",
         "left before",
         "restricted",
+        "continued after the barrier",
+        "continued, inputs sent",
     ],
 )
 def test_workers_joining_change_nothing_past_the_transfers_or_when_gone(run, facts):
