@@ -14,7 +14,7 @@ worker left restarts from scratch.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,14 @@ class RunFacts:
     pending_outputs: frozenset[int] = frozenset()  # outputs whose tasks have to run
     present: frozenset[str] = frozenset()  # workers in the cluster with a data plane
     allowed: frozenset[str] | None = None  # the barrier's worker restrictions, if any
+    # workers' memory limits (by address; where every worker concerned has one, outputs
+    # that move are placed in proportion to them)
+    limits: Mapping[str, float] = field(default_factory=dict)
+
+    def weights(self, workers: Sequence[str]) -> tuple[float, ...] | None:
+        """The memory limits of ``workers``, ``None`` unless each has one."""
+        limits = tuple(self.limits.get(w, 0) for w in workers)
+        return limits if limits and min(limits) > 0 else None
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,7 @@ def workers_joined(
         run_id,
         resend_all,
         fixed=frozenset(run.assembled),
+        weights=facts.weights((*run.run_spec.workers, *joined)),
     )
     if not new.reassigned(run.run_spec):
         return None
@@ -267,7 +276,10 @@ def _continue_without(run: SchedulerRun, worker: str, facts: RunFacts, run_id: R
     """
     resend_all, full_by = _resend_all(run, worker, facts)
     again = frozenset(f for f in _wanted_again(run, facts) if run.run_spec.worker_for(f) != worker)
-    new = run.run_spec.continued_without(worker, run_id, resend_all, remake=again)
+    survivors = [w for w in run.run_spec.workers if w != worker]
+    new = run.run_spec.continued_without(
+        worker, run_id, resend_all, remake=again, weights=facts.weights(survivors)
+    )
     return _continuation(run, new, facts, f"Worker {worker} left", worker, full_by, len(again))
 
 

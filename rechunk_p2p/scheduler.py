@@ -212,12 +212,14 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         spec = self._spec(shuffle_id)
         workers = self._eligible_workers(shuffle_id)
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
-        run_spec = RunSpec(
-            spec=spec,
-            run_id=self._run_ids.take(),
-            workers=tuple(workers),
-            dataplanes=tuple(dataplanes[w] for w in workers),
+        limits = [self.scheduler.workers[w].memory_limit for w in workers]
+        run_spec = RunSpec.first(
+            spec,
+            self._run_ids.take(),
+            tuple(workers),
+            tuple(dataplanes[w] for w in workers),
             shift=next(self._shifts) % len(workers),
+            weights=limits if limits and min(limits) > 0 else None,
         )
         run = SchedulerRun(run_spec, owners=run_spec.owners())
         self._pin_outputs(run)

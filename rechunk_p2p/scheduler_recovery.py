@@ -145,7 +145,8 @@ class RunRecovery:
             self._transfer(spec.transfer_of(dt.key), dt) for dt in barrier.dependencies
         )
         allowed = frozenset(barrier.worker_restrictions) if barrier.worker_restrictions else None
-        return RunFacts(barrier.state, transfers, pending, present, allowed)
+        limits = {w: ws.memory_limit for w, ws in self.scheduler.workers.items()}
+        return RunFacts(barrier.state, transfers, pending, present, allowed, limits)
 
     def _transfer(self, index: int, dependency: Any) -> TransferFacts:
         chain = transfer_chain(dependency)

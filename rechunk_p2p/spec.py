@@ -8,6 +8,7 @@ workers) for every attempt to run it.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NewType
@@ -16,7 +17,7 @@ import numpy as np
 from dask.utils import key_split
 
 from rechunk_p2p.config import Storage
-from rechunk_p2p.planning import Partial, assign_worker
+from rechunk_p2p.planning import Partial, assign_worker, proportional_blocks
 
 #: Key prefixes of the engine's tasks, all different from distributed's own P2P keys
 #: (``rechunk-p2p-<token>``, ``rechunk-transfer-``, ``shuffle-barrier-``), so the dashboard and
@@ -243,6 +244,33 @@ class RunSpec:
     moved: frozenset[int] = frozenset()
     resend_all: frozenset[int] = frozenset()
 
+    @classmethod
+    def first(
+        cls,
+        spec: ShuffleSpec,
+        run_id: RunId,
+        workers: tuple[str, ...],
+        dataplanes: tuple[str, ...],
+        shift: int,
+        weights: Sequence[float] | None = None,
+    ) -> RunSpec:
+        """The first run of ``spec``: outputs in contiguous blocks rotated by ``shift``, each
+        worker's block in proportion to its weight in ``weights`` (its memory limit, say;
+        ``None``: balanced blocks, as for equal weights).
+
+        >>> from rechunk_p2p.planning import make_partials
+        >>> (p,) = make_partials(((4,), (10,)), ((4,), (1,) * 10))
+        >>> spec = ShuffleSpec(ShuffleId("s-0"), p, np.dtype("f8"), "memory", "out")
+        >>> run = RunSpec.first(spec, RunId(1), ("a", "b"), ("A", "B"), 1, weights=(2, 8))
+        >>> "".join(run.worker_for(i) for i in range(10))
+        'bbbbbbbbaa'
+        """
+        if weights is None or len(set(weights)) <= 1:
+            return cls(spec, run_id, workers, dataplanes, shift)
+        order = (np.arange(len(workers)) + shift) % len(workers)
+        blocks = proportional_blocks(len(spec.outputs), [weights[k] for k in order.tolist()])
+        return cls(spec, run_id, workers, dataplanes, 0, tuple(order[blocks].tolist()))
+
     @property
     def shuffle_id(self) -> ShuffleId:
         return self.spec.shuffle_id
@@ -334,14 +362,15 @@ class RunSpec:
         run_id: RunId,
         resend_all: frozenset[int] = frozenset(),
         remake: frozenset[int] = frozenset(),
+        weights: Sequence[float] | None = None,
     ) -> RunSpec:
         """The run that continues this one after ``worker``, an owner, left.
 
         Its outputs move to the other workers, split in contiguous blocks (one per worker, in
-        order); every other output keeps its worker, and with it the pieces delivered there
-        and the outputs finished there, but for ``remake``: other workers' outputs to
-        assemble again (see :meth:`remaking`), each on the worker after its own. ``resend_all``:
-        see the class.
+        order, in proportion to ``weights``, one for each other worker); every other output
+        keeps its worker, and with it the pieces delivered there and the outputs finished
+        there, but for ``remake``: other workers' outputs to assemble again (see
+        :meth:`remaking`), each on the worker after its own. ``resend_all``: see the class.
 
         >>> from rechunk_p2p.planning import make_partials
         >>> (p,) = make_partials(((4,), (6,)), ((4,), (1,) * 6))
@@ -363,7 +392,7 @@ class RunSpec:
         renumber = np.full(len(self.workers), -1, dtype=np.int64)
         renumber[survivors] = np.arange(len(survivors))
         table = renumber[positions]
-        table[moving] = np.arange(len(moving)) * len(survivors) // max(len(moving), 1)
+        table[moving] = proportional_blocks(len(moving), weights or (1,) * len(survivors))
         again = np.searchsorted(self.spec.outputs_array, sorted(remake)).astype(np.int64)
         again = again[positions[again] != lost]
         table[again] = (table[again] + 1) % len(survivors)
@@ -387,12 +416,14 @@ class RunSpec:
         run_id: RunId,
         resend_all: frozenset[int] = frozenset(),
         fixed: frozenset[int] = frozenset(),
+        weights: Sequence[float] | None = None,
     ) -> RunSpec:
         """The run that continues this one with ``workers`` joined (``dataplanes``: theirs):
-        each worker of the run keeps at most its fair share of the outputs (the count over
-        the grown worker set, rounded up), giving the rest from the end of its block, and
-        the joined workers take what is given in contiguous blocks. ``fixed`` outputs
-        (assembled already) keep their worker. ``resend_all``: see the class.
+        each worker of the run keeps at most its fair share of the outputs (over the grown
+        worker set, in proportion to ``weights``, one for each worker of the grown set, and
+        rounded up), giving the rest from the end of its block, and the joined workers take
+        what is given in contiguous blocks (in proportion to their weights). ``fixed``
+        outputs (assembled already) keep their worker. ``resend_all``: see the class.
 
         >>> from rechunk_p2p.planning import make_partials
         >>> (p,) = make_partials(((4,), (8,)), ((4,), (1,) * 8))
@@ -405,18 +436,19 @@ class RunSpec:
         outputs = self.spec.outputs_array
         positions = self.worker_positions(outputs)
         old, new = len(self.workers), len(self.workers) + len(workers)
-        share = -(-len(outputs) // new)
+        weight = np.asarray(weights or (1,) * new, dtype=np.float64)
+        shares = np.ceil(np.round(len(outputs) * weight / weight.sum(), 9)).astype(np.int64)
         fixed_ranks = np.isin(outputs, np.asarray(sorted(fixed), dtype=np.int64))
         given = []
         for k in range(old):
             mine = np.flatnonzero(positions == k)
             movable = mine[~fixed_ranks[mine]]
-            excess = min(len(mine) - share, len(movable))
+            excess = min(len(mine) - int(shares[k]), len(movable))
             if excess > 0:
                 given.append(movable[len(movable) - excess :])
         table = positions.copy()
         moving = np.sort(np.concatenate(given)) if given else np.empty(0, dtype=np.int64)
-        table[moving] = old + np.arange(len(moving)) * len(workers) // max(len(moving), 1)
+        table[moving] = old + proportional_blocks(len(moving), weight[old:].tolist())
         return RunSpec(
             spec=self.spec,
             run_id=run_id,

@@ -242,3 +242,16 @@ def test_workers_joining_while_the_transfers_run_take_a_share():
 )
 def test_workers_joining_change_nothing_past_the_transfers_or_when_gone(run, facts):
     assert workers_joined(run, JOINED, facts, NEXT) is None
+
+
+def test_a_joined_worker_takes_a_share_by_its_memory_limit():
+    # e has the memory of a, b and c together: it takes one output of each (by count alone,
+    # with 6 outputs over 4 workers, nobody would give one)
+    facts = replace(
+        _facts(barrier="waiting", ran=(None, None), present=ALL | {"e"}),
+        limits={"a": 1, "b": 1, "c": 1, "e": 3},
+    )
+    action = workers_joined(_run(), {"e": "E"}, facts, NEXT)
+    assert isinstance(action, Continue) and action.moved == {1, 3, 5}
+    assert {action.new.worker_for(f) for f in (1, 3, 5)} == {"e"}
+    assert workers_joined(_run(), {"e": "E"}, replace(facts, limits={}), NEXT) is None

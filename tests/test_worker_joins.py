@@ -59,10 +59,11 @@ async def test_workers_joining_during_the_transfers_take_a_share_of_the_outputs(
     await _until(lambda: plugin.active)
     (run,) = plugin.active.values()
     assert run.run_spec.workers == (a.address,)
+    limit = a.memory_manager.memory_limit  # (shares go by memory limit: the same as a's)
     async with (
-        Worker(s.address, nthreads=1) as b,
-        Worker(s.address, nthreads=1) as d,
-        Worker(s.address, nthreads=1) as e,
+        Worker(s.address, nthreads=1, memory_limit=limit) as b,
+        Worker(s.address, nthreads=1, memory_limit=limit) as d,
+        Worker(s.address, nthreads=1, memory_limit=limit) as e,
     ):
         await _until(lambda: plugin.recovery.counts.joined == 3)
         joined = {b.address, d.address, e.address}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -475,3 +475,21 @@ def assign_worker(flat: int, n_outputs: int, n_workers: int, shift: int = 0) -> 
     if not 0 <= flat < n_outputs:
         raise IndexError(f"Output {flat} outside 0..{n_outputs - 1}")
     return (flat * n_workers // n_outputs + shift) % n_workers
+
+
+def proportional_blocks(n_items: int, weights: Sequence[float]) -> np.ndarray:
+    """Block of each of ``n_items`` items in order: contiguous blocks, one a weight, block
+    ``k`` about ``n_items * weights[k] / sum(weights)`` long (equal weights: the blocks of
+    :func:`assign_worker`).
+
+    >>> proportional_blocks(5, (1, 1)).tolist()
+    [0, 0, 0, 1, 1]
+    >>> proportional_blocks(10, (2, 8)).tolist()
+    [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
+    """
+    if not weights or min(weights) <= 0:
+        raise ValueError(f"Weights must be positive, got {tuple(weights)}")
+    cumulative = np.cumsum(np.asarray(weights, dtype=np.float64))
+    # block k ends at ceil(n * W_k / W), W_k the sum of the first k + 1 weights
+    ends = np.ceil(np.round(n_items * cumulative / cumulative[-1], 9)).astype(np.int64)
+    return np.searchsorted(ends, np.arange(n_items, dtype=np.int64), side="right")
