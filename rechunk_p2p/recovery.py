@@ -53,6 +53,16 @@ class SchedulerRun:
     # outputs assembled where they are now (their pieces consumed there): one whose task is
     # wanted again must be assembled again elsewhere
     assembled: set[int] = field(default_factory=set)
+    joined: int = 0  # workers taken in by continuations after they joined the cluster
+    moved: int = 0  # outputs continuations moved to another worker
+
+    @property
+    def changes(self) -> str:
+        """How the run's workers changed, for people: ``""`` where they did not."""
+        parts = [f"{self.joined} joined"] if self.joined else []
+        parts += [f"{len(self.departed)} left"] if self.departed else []
+        parts += [f"{self.moved} outputs moved"] if self.moved else []
+        return ", ".join(parts)
 
     @property
     def shuffle_id(self) -> ShuffleId:
@@ -92,6 +102,8 @@ class SchedulerRun:
 
     def continue_as(self, action: Continue) -> None:
         """The run continues as ``action.new``."""
+        self.joined += len(set(action.new.workers) - set(self.run_spec.workers))
+        self.moved += len(action.moved)
         self.carried = dict(action.carried)
         self.full_by = dict(action.full_by)
         self.run_spec = action.new

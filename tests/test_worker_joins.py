@@ -16,6 +16,7 @@ from distributed import Client, LocalCluster, Worker, futures_of
 from distributed.utils_test import gen_cluster
 
 import rechunk_p2p
+from rechunk_p2p.diagnostics.live_view import live_view
 from tests.conftest import assert_clean
 from tests.engine_helpers import ONE, PLUGIN
 
@@ -70,6 +71,8 @@ async def test_workers_joining_during_the_transfers_take_a_share_of_the_outputs(
         assert set(run.run_spec.workers) == {a.address} | joined
         assert plugin.recovery.counts.continuations == 1
         assert plugin.recovery.counts.outputs_moved == 6  # a keeps 2 of 8, each other 2
+        (row,) = live_view(s, plugin).runs  # what the dashboard shows of the run
+        assert row.changes == "3 joined, 6 outputs moved" and row.workers == 4, row
         _GATE.set()
         out = await c.compute(held)
         np.testing.assert_array_equal(out, arr)

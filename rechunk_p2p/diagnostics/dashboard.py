@@ -42,6 +42,7 @@ _RUN_COLUMNS = (
     ("memory_text", "in memory"),
     ("disk_text", "on disk"),
     ("workers", "workers"),
+    ("changes", "workers changed"),
     ("seconds_text", "time"),
     ("loop_text", "loop max"),
 )
@@ -268,6 +269,7 @@ def _runs_data(view: LiveView) -> dict[str, list]:
         "memory_text": [format_bytes(r.bytes_memory) for r in rows],
         "disk_text": [format_bytes(r.bytes_disk) for r in rows],
         "workers": [r.workers for r in rows],
+        "changes": [r.changes for r in rows],
         "seconds_text": [f"{r.seconds:.1f} s" for r in rows],
         # (the most any worker's loop lagged while the run was open there: what the
         # end-of-run summary's last line says of the workers)

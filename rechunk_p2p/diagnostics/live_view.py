@@ -44,6 +44,7 @@ class FinishedRun:
     bytes_sent: int = 0  # from its workers' last heartbeats
     bytes_received: int = 0
     loop_max_ms: float = 0.0
+    changes: str = ""  # how its workers changed (SchedulerRun.changes)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class RunRow:
     seconds: float
     name: str = ""  # the input's name (ShuffleSpec.label): the array or variable
     loop_max_ms: float = 0.0  # the most lag of its workers' loops while it was open there
+    changes: str = ""  # workers joined and left, outputs moved (SchedulerRun.changes)
 
     @property
     def label(self) -> str:
@@ -124,6 +126,7 @@ def finished_run(scheduler: Any, run: Any, reason: str) -> FinishedRun:
         totals.get("bytes_sent", 0),
         totals.get("bytes_received", 0),
         totals.get("loop_max_ms", 0.0),
+        run.changes,
     )
 
 
@@ -194,6 +197,7 @@ def _open_row(scheduler: Any, run: Any, per_run: dict, now: float) -> RunRow:
         now - run.started,
         run.run_spec.spec.label,
         totals.get("loop_max_ms", 0.0),
+        run.changes,
     )
 
 
@@ -218,6 +222,7 @@ def _finished_row(f: FinishedRun, per_run: dict) -> RunRow:
         f.finished - f.started,
         f.name,
         max(totals.get("loop_max_ms", 0.0), f.loop_max_ms),
+        f.changes,
     )
 
 

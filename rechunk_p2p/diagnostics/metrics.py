@@ -30,10 +30,11 @@ _registered = False
 _SCHEDULER_COUNTERS = {
     "runs_created": "Runs of sub-shuffles created",
     "restarts": "Runs restarted from scratch",
-    "continuations": "Runs continued after an output owner left, or to remake outputs",
+    "continuations": "Runs continued after a worker left or joined, or to remake outputs",
     "remade": "Outputs lost after assembly that continuations assembled again",
     "restarts_saved": "Workers that left a run without restarting it",
     "outputs_moved": "Outputs that continuations moved to another worker",
+    "joined": "Workers that joined a run while its transfers ran",
 }
 
 
