@@ -225,11 +225,9 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self._pin_outputs(run)
         self.active[shuffle_id] = run
         self.runs_created += 1
-        # running workers whose plugin is not up yet (it installs from a task, say) are taken
-        # in as joined workers once their data plane is
-        self._joining.update(
-            ws.address for ws in self.scheduler.running if ws.address not in dataplanes
-        )
+        # workers of the cluster not in the run (their plugin or data plane not up yet, still
+        # starting, paused) are taken in as joined workers once they run with a data plane
+        self._joining.update(w for w in self.scheduler.workers if w not in workers)
         self._look_at_joins_later()
         logger.debug(
             "Created run %d of rechunk %s on %d workers", run_spec.run_id, shuffle_id, len(workers)
@@ -444,6 +442,13 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         self.waves.forget_worker(worker)
         for run in list(self.active.values()):
             self.recovery.worker_left(run, worker, stimulus_id)
+
+    def valid_workers_downscaling(self, scheduler: Any, workers: list[Any]) -> list[Any]:
+        """Adaptive scale-down (``Scheduler.workers_to_close``) passes over the workers of
+        open runs: the pieces they hold and queue are not dask keys that a retirement would
+        copy elsewhere, so retiring one would send them again. The run's end frees them."""
+        busy = set().union(*(run.workers for run in self.active.values()))
+        return [ws for ws in workers if ws.address not in busy]
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -49,7 +49,9 @@ class RecoveryCounts:
     outputs_kept: int = 0  # finished outputs of other workers that continuations kept
     outputs_moved: int = 0  # outputs continuations moved to another worker
     transfers_rerun: int = 0  # finished transfers continuations ran again
+    inputs_resent: int = 0  # inputs whose every piece continuations sent again
     joined: int = 0  # workers that joined a run while its transfers ran
+    left: int = 0  # workers that left a run while it was open
 
 
 def release(scheduler: Any, keys: Iterable[Any], stimulus_id: str) -> None:
@@ -112,7 +114,18 @@ class RunRecovery:
     # --- facts ----------------------------------------------------------------------------
 
     def transfer_done(self, key: Any, worker: str, run_id: RunId | None) -> None:
-        """Transfer ``key`` is in memory on ``worker``, cut for ``run_id`` (if it says)."""
+        """Transfer ``key`` is in memory on ``worker``, cut for ``run_id`` (if it says).
+
+        An alias dask's fusion left (it cut nothing: it says no run) takes the worker and run
+        of the transfer it points to, which is in memory now and may be released before the
+        facts are read: the pieces were cut and queued there, for that run.
+        """
+        ts = self.scheduler.tasks.get(key)
+        if run_id is None and ts is not None:
+            for dts in transfer_chain(ts)[1:]:
+                if dts.key in self.cut_for:
+                    worker, run_id = self.computed_on[dts.key], self.cut_for[dts.key]
+                    break
         self.computed_on[key] = worker
         if run_id is not None:
             self.cut_for[key] = run_id
@@ -166,6 +179,7 @@ class RunRecovery:
         (:func:`rechunk_p2p.recovery.worker_left`); the action taken, if any."""
         if worker not in run.workers:
             return None
+        self.counts.left += 1
         action = worker_left(run, worker, self.facts(run), self._run_ids.peek())
         if isinstance(action, Restart):
             logger.warning(
@@ -257,6 +271,7 @@ class RunRecovery:
         counts.outputs_kept += action.finished
         counts.outputs_moved += len(action.moved)
         counts.transfers_rerun += action.reruns
+        counts.inputs_resent += len(new.resend_all)
         logger.warning(
             "%s in rechunk %s: run %d continues as run %d, %d outputs moved, %d finished "
             "outputs kept, %d of %d inputs send all their pieces again, %d finished transfers "

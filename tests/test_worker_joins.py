@@ -60,6 +60,12 @@ async def test_workers_joining_during_the_transfers_take_a_share_of_the_outputs(
     await _until(lambda: plugin.active)
     (run,) = plugin.active.values()
     assert run.run_spec.workers == (a.address,)
+    # a finished transfer is known to have cut for the run on a (so its pieces count as
+    # sent), though dask's fusion left it an alias of the task that cut, released since
+    await _until(lambda: any(t.done for t in plugin.recovery.facts(run).transfers))
+    await asyncio.sleep(0.2)
+    done = [t for t in plugin.recovery.facts(run).transfers if t.done]
+    assert all(t.cut_for == run.run_spec.run_id and t.ran_on == (a.address,) for t in done), done
     limit = a.memory_manager.memory_limit  # (shares go by memory limit: the same as a's)
     async with (
         Worker(s.address, nthreads=1, memory_limit=limit) as b,
@@ -104,23 +110,24 @@ def plugin_counts(s) -> tuple[int, int]:
     return counts.joined, counts.continuations
 
 
-def _held_for_joins(block: np.ndarray) -> np.ndarray:
-    """Make a row, but once the run is open wait until the scheduler took in 3 joined workers
-    (the first transfers open the run: it is made when a transfer first asks for it): the
-    joins come during the transfers however long the workers take to start."""
+def _held_for_joins(block: np.ndarray, workers: int = 4) -> np.ndarray:
+    """Make a row, but once the run is open wait until it has ``workers`` workers (the
+    first transfers open the run: it is made when a transfer first asks for it): the joins
+    come during the transfers however long the workers take to start."""
     from distributed import get_client
 
     client = get_client()
     deadline = time.monotonic() + 60
-    while client.run_on_scheduler(_waiting_for_joins):
-        assert time.monotonic() < deadline, "no 3 workers joined"
+    while client.run_on_scheduler(_waiting_for_joins, workers):
+        assert time.monotonic() < deadline, f"the run never had {workers} workers"
         time.sleep(0.1)
     return block
 
 
-def _waiting_for_joins(dask_scheduler) -> bool:
+def _waiting_for_joins(workers: int, dask_scheduler) -> bool:
     plugin = dask_scheduler.plugins[PLUGIN]
-    return bool(plugin.active) and plugin.recovery.counts.joined < 3
+    runs = plugin.active.values()
+    return any(len(run.run_spec.workers) < workers for run in runs)
 
 
 def test_a_local_cluster_scaling_from_one_to_four_workers_spreads_the_outputs():
@@ -153,3 +160,27 @@ def _runs_open(dask_scheduler) -> bool:
 
 def _counts(dask_scheduler) -> dict:
     return dict(vars(dask_scheduler.plugins[PLUGIN].recovery.counts))
+
+
+def test_an_adaptive_cluster_spreads_the_outputs_over_the_workers_it_adds():
+    """``adapt(minimum=1, maximum=4)`` on a 1-worker cluster: the rechunk's queued transfers
+    make the cluster add workers, which the run takes in where they come after it opened
+    (or has from the start where they came before), and adaptive scale-down leaves the
+    run's workers alone until it ends (no worker leaves it). The transfers wait for a second
+    worker in the run, as above."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    arr = np.arange(256 * 64, dtype="f4").reshape(256, 64)
+    x = da.from_array(arr, chunks=(1, 64)).map_blocks(_held_for_joins, 2, dtype="f4")
+    y = rechunk_p2p.rechunk(x, (256, 8))
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        rechunk_p2p.register(client)
+        cluster.adapt(minimum=1, maximum=4, interval="200ms")
+        held = client.persist(y)
+        np.testing.assert_array_equal(client.compute(held).result(timeout=120), arr)
+        holders = {w for ws in client.who_has(futures_of(held)).values() for w in ws}
+        counts = client.run_on_scheduler(_counts)
+        assert counts["restarts"] == 0 and counts["left"] == 0, counts
+        assert len(holders) >= 2, (holders, counts)

@@ -35,6 +35,8 @@ _SCHEDULER_COUNTERS = {
     "restarts_saved": "Workers that left a run without restarting it",
     "outputs_moved": "Outputs that continuations moved to another worker",
     "joined": "Workers that joined a run while its transfers ran",
+    "inputs_resent": "Inputs whose every piece continuations sent again",
+    "left": "Workers that left a run while it was open",
 }
 
 

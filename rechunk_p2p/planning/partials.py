@@ -19,6 +19,7 @@ from functools import cached_property
 
 import numpy as np
 
+from rechunk_p2p.errors import RechunkInputError
 from rechunk_p2p.planning.axes import AxisPiece, Chunks, axis_pieces
 
 NDIndex = tuple[int, ...]
@@ -488,7 +489,7 @@ def proportional_blocks(n_items: int, weights: Sequence[float]) -> np.ndarray:
     [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
     """
     if not weights or min(weights) <= 0:
-        raise ValueError(f"Weights must be positive, got {tuple(weights)}")
+        raise RechunkInputError(f"Worker weights must be positive, got {tuple(weights)}")
     cumulative = np.cumsum(np.asarray(weights, dtype=np.float64))
     # block k ends at ceil(n * W_k / W), W_k the sum of the first k + 1 weights
     ends = np.ceil(np.round(n_items * cumulative / cumulative[-1], 9)).astype(np.int64)
