@@ -12,6 +12,7 @@ import pytest
 from integration import bench
 
 
+@pytest.mark.slow  # (the benchmark's own run: pytest -m slow integration)
 def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--size", "8MiB", "--repeat", "1", "--workloads", "2d", "--out", str(tmp_path)]
     assert bench.main(argv) == 0  # (origins made, made+map and held, the default)
@@ -136,6 +137,7 @@ def test_larger_than_memory_without_pausing_a_worker(tmp_path: Path) -> None:
     assert run["spilled_bytes"] > 2 * 2**30  # auto chose disk: the data do not fit
 
 
+@pytest.mark.slow  # (the benchmark's own run: pytest -m slow integration)
 def test_larger_than_memory_command_small(tmp_path: Path) -> None:
     """The larger-than-memory benchmark's mechanics at a tiny size: zarr written, read back
     and checked, workers' health recorded."""
@@ -201,6 +203,7 @@ def test_resource_sampler_measures_until_stop(tmp_path: Path) -> None:
     assert peaks.rss_bytes["me"] < before + 100 * 2**20, (peaks, before)
 
 
+@pytest.mark.slow  # (the benchmark's own run: pytest -m slow integration)
 def test_many_workers_sweep_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two worker counts, weak scaling, one run each: every figure of every point."""
     from integration import many_workers
@@ -262,6 +265,7 @@ def test_many_workers_reports_a_failed_implementation() -> None:
     assert "nan" in many_workers.format_points(points)  # (no figures for the failed one)
 
 
+@pytest.mark.slow  # (the benchmark's own run: pytest -m slow integration)
 def test_era5_command_small(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """``integration.bench_era5``: each step, both implementations, each with wall, first
     task and peaks; the ratios after; the store kept where asked (a fresh cluster a run:

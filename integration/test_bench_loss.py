@@ -10,6 +10,7 @@ import pytest
 from integration import bench_loss
 
 
+@pytest.mark.slow  # (the benchmark's own run: pytest -m slow integration)
 def test_bench_loss_continues_and_sends_less_than_a_restart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
