@@ -48,15 +48,15 @@ WORKERS = 4
 GROW_AFTER = 1.0
 
 
-def workload(origin: str) -> Workload:
-    """Issue 58's rechunk of daily maps into 45 x 45 time series."""
+def workload(origin: str, days: int = 3650) -> Workload:
+    """Issue 58's rechunk of daily maps into 45 x 45 time series (``days`` of them)."""
     return Workload(
         "daily-maps",
-        "(3650, 180, 360) f4, a chunk a day -> (3650, 45, 45)",
-        (3650, 180, 360),
+        f"({days}, 180, 360) f4, a chunk a day -> ({days}, 45, 45)",
+        (days, 180, 360),
         "float32",
         (1, 180, 360),
-        (3650, 45, 45),
+        (days, 45, 45),
         origin=origin,
     )
 
@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--origins", default=",".join(ORIGINS))
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
+    p.add_argument("--days", type=int, default=3650, help="maps (1.8 GiB for 3650)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run")
     p.add_argument("--out", default="integration/results")
     return p.parse_args(argv)
@@ -77,9 +78,11 @@ def _plugin_counts(dask_scheduler: Any) -> dict:  # runs on the scheduler
     return dict(vars(plugin.recovery.counts)) if plugin is not None else {}
 
 
-def run_once(impl: str, scenario: str, origin: str, timeout: float) -> dict[str, Any]:
+def run_once(
+    impl: str, scenario: str, origin: str, timeout: float, days: int = 3650
+) -> dict[str, Any]:
     """One rechunk on a fresh cluster; its figures."""
-    w = workload(origin)
+    w = workload(origin, days)
     start_workers = 1 if scenario == "grow" else WORKERS
     with (
         LocalCluster(
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in args.scenarios.split(","):
             for origin in args.origins.split(","):
                 for impl in args.impls.split(","):
-                    row = run_once(impl, scenario, origin, args.timeout)
+                    row = run_once(impl, scenario, origin, args.timeout, args.days)
                     print(json.dumps(row), flush=True)
                     results.append(row)
     print(table(results))

@@ -302,3 +302,37 @@ def test_era5_command_refuses_bad_arguments() -> None:
     ]:
         with pytest.raises(SystemExit, match=says):
             bench_era5.main(argv)
+
+
+@pytest.mark.slow  # (the benchmark's own run: pytest -m slow integration)
+def test_elastic_command_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from integration import bench_elastic
+
+    argv = ["--days", "64", "--repeat", "1", "--origins", "held", "--out", str(tmp_path)]
+    assert bench_elastic.main(argv) == 0  # every output checked
+    (path,) = tmp_path.glob("elastic-*.json")
+    runs = json.loads(path.read_text())["results"]
+    assert [(r["scenario"], r["impl"]) for r in runs] == [
+        ("grow", "rechunk_p2p"),
+        ("grow", "dask-p2p"),
+        ("four", "rechunk_p2p"),
+        ("four", "dask-p2p"),
+    ]
+    for r in runs:
+        assert r["wall_s"] > 0 and r["first_worker_rss"] > 10 * 2**20, r
+        assert 0.25 <= r["largest_share"] <= 1.0, r
+    four = [r for r in runs if r["scenario"] == "four"]
+    assert all(r["holders"] == 4 for r in four), four  # 4 workers from the start: all hold
+    assert "| four | held | rechunk_p2p |" in capsys.readouterr().out
+
+
+def test_elastic_table_gives_the_median_of_each_row() -> None:
+    from integration.bench_elastic import table
+
+    row = {"scenario": "grow", "origin": "made", "impl": "rechunk_p2p", "holders": 4}
+    rows = [
+        {**row, "wall_s": w, "largest_share": s, "first_worker_rss": m, "joined": 3}
+        for w, s, m in [(10.0, 0.25, 2**30), (14.0, 0.35, 3 * 2**30)]
+    ]
+    line = table(rows).splitlines()[2]
+    assert line == "| grow | made | rechunk_p2p | 12.0 (10.0 / 14.0) | 0.30 | 4 | 2.00 GiB | 3 |"
