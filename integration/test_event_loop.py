@@ -28,13 +28,20 @@ from integration.workloads import (
     input_array,
     many_small,
     rows_to_columns,
+    size_from_env,
     thin_rows,
     workload_graph,
 )
 from rechunk_p2p.diagnostics import measure_event_loops
 
 RESULTS = Path(__file__).parent / "results"
-WORKLOADS = {w.name: w for w in all_workloads()}
+#: Sizes set for the benchmark (RECHUNK_P2P_BENCH_SIZE or _SCALE) apply to the tests too
+_SIZES_FROM_ENV = any(os.environ.get(f"RECHUNK_P2P_BENCH_{n}") for n in ("SIZE", "SCALE"))
+#: The workloads at the benchmark's sizes, but for the 64 KiB chunks: 4,096 of them rather
+#: than 10,240 (a window of 17 s rather than 42 s on 2 quiet cores; the loops see the same
+#: messages, fewer of them; a window is measured up to three times on a busy machine)
+TEST_SIZES = {**size_from_env(), "many": 256 * 2**20}
+WORKLOADS = {w.name: w for w in all_workloads(size_from_env() if _SIZES_FROM_ENV else TEST_SIZES)}
 _SCALE = max(1.0, max(w.nbytes for w in WORKLOADS.values()) / many_small(640 * 2**20).nbytes)
 #: Longest a workload may take before the test fails (rather than hangs).
 TIMEOUT_S = 480 * _SCALE
