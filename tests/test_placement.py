@@ -39,23 +39,24 @@ async def _rechunk_held(c) -> tuple[dict[str, int], bool]:
     return placed, exact
 
 
-@gen_cluster(client=True, nthreads=MIXED)
-async def test_outputs_fill_workers_in_proportion_to_their_memory_limits(c, s, small, large):
+async def _placed_in_strips(c, s, a, b, strips: tuple[int, int]) -> None:
+    """A rechunk into 10 column strips of 8 kB puts ``strips`` on ``a`` and ``b``; values
+    exact, nothing left."""
     await rechunk_p2p.register(c)
     placed, exact = await _rechunk_held(c)
     assert exact
-    # 10 column strips of 8 kB: 2 on the 2 GiB worker, 8 on the 8 GiB one
-    assert placed == {small.address: 2 * 8000, large.address: 8 * 8000}, placed
-    await assert_clean(s, small, large)
+    assert placed == {a.address: strips[0] * 8000, b.address: strips[1] * 8000}, placed
+    await assert_clean(s, a, b)
+
+
+@gen_cluster(client=True, nthreads=MIXED)
+async def test_outputs_fill_workers_in_proportion_to_their_memory_limits(c, s, small, large):
+    await _placed_in_strips(c, s, small, large, (2, 8))  # 2 GiB and 8 GiB
 
 
 @gen_cluster(client=True, nthreads=EQUAL)
 async def test_workers_with_equal_limits_take_equal_shares(c, s, a, b):
-    await rechunk_p2p.register(c)
-    placed, exact = await _rechunk_held(c)
-    assert exact
-    assert placed == {a.address: 5 * 8000, b.address: 5 * 8000}, placed
-    await assert_clean(s, a, b)
+    await _placed_in_strips(c, s, a, b, (5, 5))
 
 
 def _run_spec(n_outputs: int, workers: str):
