@@ -11,7 +11,9 @@ Each run: a ``LocalCluster`` of worker processes x 1 thread with nannies and a 4
 limit, every setting at its default; issue 58's workload, daily maps ``(3650, 180, 360)``
 float32 (1.8 GiB), one chunk a day, rechunked to ``(3650, 45, 45)`` and persisted, the input
 made inside the rechunk (``made``) or persisted on the first worker before the clock starts
-(``held``). Two scenarios:
+(``held``); the values are the benchmark's index hash, or with ``--maker random`` dask's
+random numbers cast to float32 (slower to make, so the transfers last as in the issue).
+Two scenarios:
 
 - ``grow``: 1 worker when the rechunk starts, scaled to 4 one second later;
 - ``four``: 4 workers from the start (the baseline ``grow`` is held to).
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import dask.array as da
 from dask.utils import format_bytes
 from distributed import Client, LocalCluster, futures_of, wait
 
@@ -43,6 +46,7 @@ from integration.workloads import Workload, checked, input_array, rechunk_with
 SCENARIOS = ("grow", "four")
 ORIGINS = ("made", "held")
 IMPLEMENTATIONS = ("rechunk_p2p", "dask-p2p")
+MAKERS = ("hash", "random")
 #: Workers at the end of every run, and the seconds after which ``grow`` scales to them
 WORKERS = 4
 GROW_AFTER = 1.0
@@ -68,6 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--origins", default=",".join(ORIGINS))
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
     p.add_argument("--days", type=int, default=3650, help="maps (1.8 GiB for 3650)")
+    p.add_argument(
+        "--maker",
+        choices=MAKERS,
+        default="hash",
+        help="the maps' values: the benchmark's index hash (checked element by element), or "
+        "dask's random numbers cast to float32, as the issue made them (slower to make; "
+        "checked by their sum)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run")
     p.add_argument("--out", default="integration/results")
     return p.parse_args(argv)
@@ -78,8 +90,23 @@ def _plugin_counts(dask_scheduler: Any) -> dict:  # runs on the scheduler
     return dict(vars(plugin.recovery.counts)) if plugin is not None else {}
 
 
+def _random_maps(w: Workload, client: Client) -> da.Array:
+    """``w``'s maps as dask's random numbers cast to float32 (held: persisted first)."""
+    x = da.random.RandomState(0).random(w.shape, chunks=w.source_chunks).astype("float32")
+    if w.origin == "held":
+        x = client.persist(x)
+        wait(x)
+    return x
+
+
+def _same_sum(y: da.Array, x: da.Array) -> bool:
+    """Whether ``y`` (the rechunked ``x``) holds what ``x`` does, by their sums."""
+    total, expected = da.compute(y.sum(dtype="float64"), x.sum(dtype="float64"))
+    return bool(abs(total - expected) <= 1e-9 * abs(expected))
+
+
 def run_once(
-    impl: str, scenario: str, origin: str, timeout: float, days: int = 3650
+    impl: str, scenario: str, origin: str, timeout: float, days: int = 3650, maker: str = "hash"
 ) -> dict[str, Any]:
     """One rechunk on a fresh cluster; its figures."""
     w = workload(origin, days)
@@ -99,7 +126,8 @@ def run_once(
             rechunk_p2p.register(client)
         client.wait_for_workers(start_workers, timeout=120)
         first = next(iter(client.scheduler_info()["workers"]))
-        x = input_array(w, client)  # (held: persisted on the first worker, not timed)
+        # (held: persisted on the first worker, not timed)
+        x = input_array(w, client) if maker == "hash" else _random_maps(w, client)
         y = rechunk_with(impl, x, w.target_chunks)
         pid = client.run(os.getpid, workers=[first])[first]
         with ResourceSampler({first: pid}, {}) as sampler:
@@ -117,11 +145,12 @@ def run_once(
         for key, holders in who.items():
             for worker in holders:
                 per_worker[worker] = per_worker.get(worker, 0) + nbytes[key]
-        correct = bool(checked(held, w).compute())
+        correct = bool(checked(held, w).compute()) if maker == "hash" else _same_sum(held, x)
         counts = client.run_on_scheduler(_plugin_counts)
     total = sum(nbytes.values())
     return {
         "impl": impl,
+        "maker": maker,
         "scenario": scenario,
         "origin": origin,
         "wall_s": wall,
@@ -169,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in args.scenarios.split(","):
             for origin in args.origins.split(","):
                 for impl in args.impls.split(","):
-                    row = run_once(impl, scenario, origin, args.timeout, args.days)
+                    row = run_once(impl, scenario, origin, args.timeout, args.days, args.maker)
                     print(json.dumps(row), flush=True)
                     results.append(row)
     print(table(results))
