@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rechunk_p2p.planning import memory_weights
 from rechunk_p2p.spec import RunId, RunSpec, ShuffleId, barrier_key
 
 #: States of a barrier (or output) task that still has to run
@@ -143,8 +144,7 @@ class RunFacts:
 
     def weights(self, workers: Sequence[str]) -> tuple[float, ...] | None:
         """The memory limits of ``workers``, ``None`` unless each has one."""
-        limits = tuple(self.limits.get(w, 0) for w in workers)
-        return limits if limits and min(limits) > 0 else None
+        return memory_weights([self.limits.get(w, 0) for w in workers])
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,8 @@ def workers_joined(
     """What ``run`` does now that the workers of ``dataplanes`` (worker -> its data plane)
     joined the cluster: while its transfers run (the barrier waits for them, no barrier of
     the run passed) and at most :data:`JOIN_BEFORE_DONE` of its inputs were sent in full, it
-    continues with them, each taking a fair
-    share of the outputs (:meth:`~rechunk_p2p.spec.RunSpec.continued_with`): the finished
+    continues with them, each taking a fair share of the outputs
+    (:meth:`~rechunk_p2p.spec.RunSpec.continued_with`): the finished
     transfers run again for the moved outputs, the others send every piece. ``None``: the
     run goes on as it is (no transfer left to speak of, the barrier running or passed, or no
     output to give).

@@ -22,6 +22,7 @@ from rechunk_p2p.diagnostics import dashboard, metrics
 from rechunk_p2p.diagnostics.live_view import FINISHED_KEPT, FinishedRun, finished_run
 from rechunk_p2p.diagnostics.metrics import error_type
 from rechunk_p2p.errors import BROKEN_CONNECTION, ClusterError, StaleRunError
+from rechunk_p2p.planning import memory_weights
 from rechunk_p2p.recovery import BARRIER_PENDING, SchedulerRun
 from rechunk_p2p.scheduler_recovery import STALE_STIMULUS, RunIds, RunRecovery
 from rechunk_p2p.scheduler_tuning import SchedulerTuning
@@ -212,14 +213,14 @@ class RechunkSchedulerPlugin(SchedulerPlugin):
         spec = self._spec(shuffle_id)
         workers = self._eligible_workers(shuffle_id)
         dataplanes = self.scheduler.get_metadata([METADATA_KEY], default={})
-        limits = [self.scheduler.workers[w].memory_limit for w in workers]
+        limits = memory_weights([self.scheduler.workers[w].memory_limit for w in workers])
         run_spec = RunSpec.first(
             spec,
             self._run_ids.take(),
             tuple(workers),
             tuple(dataplanes[w] for w in workers),
             shift=next(self._shifts) % len(workers),
-            weights=limits if limits and min(limits) > 0 else None,
+            weights=limits,
         )
         run = SchedulerRun(run_spec, owners=run_spec.owners())
         self._pin_outputs(run)

@@ -4,7 +4,12 @@ Where it runs: pure (no asyncio, no distributed).
 """
 
 from rechunk_p2p.planning.axes import AxisGroup, AxisPiece, axis_groups, axis_pieces
-from rechunk_p2p.planning.partials import Partial, assign_worker, proportional_blocks
+from rechunk_p2p.planning.partials import (
+    Partial,
+    assign_worker,
+    memory_weights,
+    proportional_blocks,
+)
 from rechunk_p2p.planning.plan import RechunkPlan, make_partials
 
 __all__ = [
@@ -16,5 +21,6 @@ __all__ = [
     "axis_groups",
     "axis_pieces",
     "make_partials",
+    "memory_weights",
     "proportional_blocks",
 ]

@@ -478,6 +478,17 @@ def assign_worker(flat: int, n_outputs: int, n_workers: int, shift: int = 0) -> 
     return (flat * n_workers // n_outputs + shift) % n_workers
 
 
+def memory_weights(limits: Sequence[float]) -> tuple[float, ...] | None:
+    """Workers' memory limits as weights for :func:`proportional_blocks`; ``None`` (place by
+    count) unless every worker has one.
+
+    >>> memory_weights([2, 8]), memory_weights([2, 0])
+    ((2, 8), None)
+    """
+    weights = tuple(limits)
+    return weights if weights and min(weights) > 0 else None
+
+
 def proportional_blocks(n_items: int, weights: Sequence[float]) -> np.ndarray:
     """Block of each of ``n_items`` items in order: contiguous blocks, one a weight, block
     ``k`` about ``n_items * weights[k] / sum(weights)`` long (equal weights: the blocks of
